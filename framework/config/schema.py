@@ -1,0 +1,207 @@
+"""Dataclass schemas of the engine's config nodes, stored in Hydra's ConfigStore.
+
+Range checks live in ``__post_init__`` and raise :class:`Invalid` naming the key; the
+validator prefixes the group and turns it into one readable line (exit code 2).
+Recipe-specific schemas (models, datasets, tasks) live beside their recipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+class Invalid(ValueError):
+    def __init__(self, key: str, msg: str):
+        super().__init__(f"{key}: {msg}")
+        self.key, self.msg = key, msg
+
+
+def positive(obj, *keys):
+    for k in keys:
+        v = getattr(obj, k)
+        if v is None or v <= 0:
+            raise Invalid(k, f"must be > 0 (got {v})")
+
+
+def non_negative(obj, *keys):
+    for k in keys:
+        v = getattr(obj, k)
+        if v is None or v < 0:
+            raise Invalid(k, f"must be >= 0 (got {v})")
+
+
+def one_of(obj, key, choices):
+    v = getattr(obj, key)
+    if v not in choices:
+        raise Invalid(key, f"must be one of {', '.join(map(str, choices))} (got {v!r})")
+
+
+@dataclass
+class TrainerConfig:
+    name: str = "default"
+    max_steps: int = 100
+    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    log_every: int = 10
+    val_every: int = 100  # 0: validate only at the end
+    val_batches: int = 4  # validation batches per evaluation; 0: the whole split
+    progress: bool = True
+    compile: bool = False
+
+    def __post_init__(self):
+        positive(self, "max_steps", "grad_accum", "log_every")
+        non_negative(self, "grad_clip", "val_every", "val_batches")
+
+
+@dataclass
+class ParallelConfig:
+    """Mesh degrees; ``dp_shard=-1`` takes the ranks the other axes leave."""
+
+    name: str = "none"
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    domain: int = 1
+    timeout_s: float = 600.0  # collective timeout: a dead rank cannot hang the rest
+
+    def __post_init__(self):
+        positive(self, "dp_replicate", "timeout_s")
+        for key in ("dp_shard", "domain"):
+            v = getattr(self, key)
+            if v == 0 or v < -1:
+                raise Invalid(key, f"must be > 0 or -1 for 'the remaining ranks' (got {v})")
+        if self.dp_shard == -1 and self.domain == -1:
+            raise Invalid("domain", "only one of dp_shard and domain may be -1")
+
+
+@dataclass
+class ShardingConfig:
+    name: str = "none"
+    reshard_after_forward: str = "default"  # default | always | never
+    cpu_offload: bool = False
+    forward_prefetch: bool = False
+
+    def __post_init__(self):
+        one_of(self, "reshard_after_forward", ("default", "always", "never"))
+
+
+@dataclass
+class SplitterConfig:
+    name: str = "off"
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    init_scale: float = 65536.0  # GradScaler, fp16 only
+
+    def __post_init__(self):
+        positive(self, "init_scale")
+
+
+@dataclass
+class CheckpointConfig:
+    name: str = "torch_save"
+    every: int = 100  # steps between checkpoints; 0: only at the end
+    keep: int = 3  # newest complete checkpoints kept
+    resume: str = "latest"  # latest | none | <path to a checkpoint>
+    exclude: list[str] = field(default_factory=list)  # parts not loaded, e.g. [optimizer]
+    save_final: bool = True
+
+    def __post_init__(self):
+        non_negative(self, "every")
+        positive(self, "keep")
+        parts = ("model", "optimizer", "schedule", "scaler", "rng", "data")
+        bad = [p for p in self.exclude if p not in parts]
+        if bad:
+            raise Invalid("exclude", f"unknown part(s) {bad}; valid: {', '.join(parts)}")
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "console"
+    project: str = "framework"
+    entity: Optional[str] = None
+    mode: str = "offline"  # wandb: offline | online | disabled
+    group: Optional[str] = None
+    images: bool = True
+
+
+@dataclass
+class OptimConfig:
+    """A torch.optim optimizer built from ``_target_`` (only torch.optim.* is allowed)."""
+
+    _target_: str = "torch.optim.Adam"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    fused: Optional[bool] = None
+
+    def __post_init__(self):
+        non_negative(self, "lr", "weight_decay")
+        positive(self, "eps")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise Invalid("betas", f"must be two numbers in [0, 1) (got {list(self.betas)})")
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of optim.lr
+
+    def __post_init__(self):
+        non_negative(self, "warmup_steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise Invalid("min_lr_ratio", f"must be in [0, 1] (got {self.min_lr_ratio})")
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+
+
+@dataclass
+class TopConfig:
+    """Top-level keys outside any group."""
+
+    recipe: str = MISSING
+    seed: int = 0
+    deterministic: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+
+    def __post_init__(self):
+        one_of(self, "device", ("auto", "cpu", "cuda"))
+
+
+def _store():
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for group, node in {
+        "trainer": TrainerConfig,
+        "parallel": ParallelConfig,
+        "sharding": ShardingConfig,
+        "splitter": SplitterConfig,
+        "precision": PrecisionConfig,
+        "checkpoint": CheckpointConfig,
+        "logger": LoggerConfig,
+        "optim": OptimConfig,
+        "schedule": ScheduleConfig,
+        "cluster": ClusterConfig,
+    }.items():
+        cs.store(group=f"schema/{group}", name="base", node=node)
+
+
+_store()
+
+# Fixed-schema groups: the schema does not depend on the option's name.
+FIXED: dict[str, Any] = {
+    "trainer": TrainerConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "cluster": ClusterConfig,
+}

@@ -1,0 +1,51 @@
+"""Where this process runs: rank, world size, local rank and device.
+
+torchrun's variables first, then SLURM's (through submitit's job environment), else one
+process. The same code path serves 1 and N processes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    source: str = "single"  # single | torchrun | slurm
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect() -> DistEnv:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                       int(env.get("SLURM_LOCALID", 0)), "slurm")
+    return DistEnv()
+
+
+def pick_device(requested: str, env: DistEnv) -> torch.device:
+    """``auto`` takes the GPU of this local rank when CUDA exists, else the CPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        from framework.errors import ConfigError
+
+        raise ConfigError("device: 'cuda' requested but no CUDA device is available")
+    device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device

@@ -1,0 +1,14 @@
+"""Log sinks. metrics.jsonl and the console are always on (rank 0); ``logger=`` adds one."""
+
+from __future__ import annotations
+
+from framework import registry
+from framework.config.schema import LoggerConfig
+
+
+@registry.loggers.register("console", LoggerConfig)
+def _console(cfg, **_):
+    return None  # console + metrics.jsonl only
+
+
+registry.loggers.add("wandb", LoggerConfig, pending="issue 7, cluster workflow and wandb")

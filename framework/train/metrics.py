@@ -1,0 +1,57 @@
+"""Measured, not estimated: throughput, FLOPs per sample, MFU and peak memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import torch
+
+# Dense peak TFLOP/s by device name fragment and compute dtype (vendor datasheets).
+_PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+}
+
+
+def peak_tflops(device: torch.device, precision: str) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, table in _PEAK_TFLOPS.items():
+        if key in name:
+            return table.get(precision)
+    return None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """GPU: peak allocated by torch; CPU: the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def count_flops(fn) -> tuple[object, int]:
+    """Run ``fn`` once under FlopCounterMode; returns (its result, FLOPs it executed)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        out = fn()
+    return out, counter.get_total_flops()
+
+
+class Stopwatch:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.t = time.perf_counter()
+
+    def lap(self, sync: bool = True) -> float:
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        return dt

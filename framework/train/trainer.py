@@ -1,0 +1,199 @@
+"""The training loop: one readable loop, top to bottom.
+
+Everything it touches is built elsewhere (cli.build): the task owns data, model and
+loss; the precision policy owns autocast and the GradScaler; the checkpoint manager
+owns files. Sharding has already been applied to ``model``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from framework import registry
+from framework.config.schema import TrainerConfig
+from framework.data.loader import eval_loader, train_loader
+from framework.data.sampler import GlobalBatchSampler
+from framework.distributed import collectives
+from framework.errors import FrameworkError
+from framework.train import metrics
+
+log = logging.getLogger("framework")
+
+
+class NonFiniteLoss(FrameworkError):
+    exit_code = 4
+
+
+@dataclass
+class Summary:
+    steps: int
+    final_loss: float | None
+    val: dict = field(default_factory=dict)
+    run_dir: str = ""
+    resumed_from: str | None = None
+
+    def lines(self) -> list[str]:
+        out = [f"done: {self.steps} steps, final train loss {self.final_loss:.4g}"
+               if self.final_loss is not None else f"done: {self.steps} steps"]
+        if self.val:
+            r, p = self.val["rmse"], self.val["rmse_persistence"]
+            verdict = "beats" if r < p else "does NOT beat"
+            out.append(f"validation RMSE {r:.4g} vs persistence {p:.4g} (normalized units): "
+                       f"model {verdict} persistence")
+        out.append(f"run dir: {self.run_dir}")
+        return out
+
+
+class Trainer:
+    def __init__(self, *, cfg: TrainerConfig, run, env, device, task, model, optimizer, scheduler,
+                 precision, checkpoint, sinks, run_dir: Path, dp_rank=0, dp_size=1, dp_group=None):
+        self.cfg, self.run, self.env, self.device = cfg, run, env, device
+        self.task, self.model, self.optimizer, self.scheduler = task, model, optimizer, scheduler
+        self.precision, self.checkpoint, self.sinks = precision, checkpoint, sinks
+        self.run_dir = Path(run_dir)
+        self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        self.step = 0
+        self.run_id = uuid.uuid4().hex[:12]
+        self.flops_per_sample: float | None = None
+        self.skipped_steps = 0
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _to_device(self, batch: dict) -> dict:
+        nb = self.device.type == "cuda"
+        return {k: v.to(self.device, non_blocking=nb) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _log(self, row: dict) -> None:
+        if self.env.is_main:
+            for sink in self.sinks:
+                sink.log(row)
+
+    def _micro_batches(self, batch: dict) -> list[dict]:
+        n = self.cfg.grad_accum
+        size = next(v for v in batch.values() if torch.is_tensor(v)).shape[0] // n
+        return [{k: v[i * size:(i + 1) * size] if torch.is_tensor(v) and v.dim() else v
+                 for k, v in batch.items()} for i in range(n)]
+
+    # -- one optimizer step ------------------------------------------------------------------
+    def train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        scaler = self.precision.scaler
+        total = torch.zeros((), device=self.device)
+        for micro in self._micro_batches(batch):
+            with self.precision.autocast(self.device):
+                loss = self.task.loss(self.model, micro)
+            scaled = loss / self.cfg.grad_accum
+            (scaler.scale(scaled) if scaler else scaled).backward()
+            total += loss.detach()
+        if scaler:
+            scaler.unscale_(self.optimizer)  # clip the true gradients
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if scaler:
+            scale = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            self.skipped_steps += int(scaler.get_scale() < scale)  # inf/NaN grads: step skipped
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total / self.cfg.grad_accum, grad_norm
+
+    # -- validation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict:
+        data = self.run.data
+        loader = eval_loader(self.task.val_dataset(), batch_size=data.batch_size, dp_rank=self.dp_rank,
+                             dp_size=self.dp_size, max_batches=self.cfg.val_batches,
+                             num_workers=data.num_workers, pin_memory=data.pin_memory, device=self.device)
+        self.model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        for batch in loader:
+            with self.precision.autocast(self.device):
+                part = self.task.val_step(self.model, self._to_device(batch))
+            for k, v in part.items():
+                sums[k] = sums[k] + v if k in sums else v
+        self.model.train()
+        for v in sums.values():
+            collectives.all_reduce_sum(v, self.dp_group)
+        row = {"step": self.step, "split": "val", **self.task.val_summary(sums)}
+        self._log(row)
+        return row
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self) -> Summary:
+        resumed = None
+        if self.checkpoint is not None:
+            path = self.checkpoint.resume_path()
+            if path is not None:
+                self.checkpoint.load(path, self)
+                resumed = str(path)
+                log.info("resumed from %s at step %d", path, self.step)
+        start = self._start = self.step
+        data = self.run.data
+        sampler = GlobalBatchSampler(len(self.task.train_dataset()), data.batch_size, dp_rank=self.dp_rank,
+                                     dp_size=self.dp_size, seed=self.run.seed, start_step=self.step)
+        batches = iter(train_loader(self.task.train_dataset(), sampler, num_workers=data.num_workers,
+                                    pin_memory=data.pin_memory, device=self.device))
+        console = next((s for s in self.sinks if hasattr(s, "advance")), None)
+        self.model.train()
+        last_loss, val_row = None, {}
+        watch = metrics.Stopwatch(self.device)
+        window_start, t_run = self.step, time.perf_counter()
+        while self.step < self.cfg.max_steps:
+            batch = self._to_device(next(batches))
+            if self.flops_per_sample is None:
+                (loss, grad_norm), flops = metrics.count_flops(lambda: self.train_step(batch))
+                self.flops_per_sample = flops * self.dp_size / data.batch_size
+            else:
+                loss, grad_norm = self.train_step(batch)
+            self.step += 1
+            last = self.step == self.cfg.max_steps
+
+            if self.step % self.cfg.log_every == 0 or last:
+                loss = collectives.all_reduce_mean(loss.detach().clone(), self.dp_group)
+                last_loss = float(loss)
+                if not math.isfinite(last_loss) and self.precision.scaler is None:
+                    raise NonFiniteLoss(f"loss became {last_loss} at step {self.step}; last checkpoint kept")
+                self._log(self._train_row(last_loss, grad_norm, watch.lap(), self.step - window_start, t_run))
+                window_start = self.step
+                if console is not None:
+                    console.advance(self.step, last_loss, None)
+            if (self.cfg.val_every and self.step % self.cfg.val_every == 0) or last:
+                val_row = self.validate()
+                watch.lap()  # validation time is not training throughput
+            if self.checkpoint is not None and self.checkpoint.due(self.step, last):
+                self.checkpoint.save(self, _plain(self.run.raw))
+                watch.lap()
+        return Summary(self.step, last_loss, val_row, str(self.run_dir), resumed)
+
+    def _train_row(self, loss: float, grad_norm, dt: float, steps: int, t_run: float) -> dict:
+        sps = self.run.data.batch_size * steps / dt if dt > 0 else 0.0
+        row = {"step": self.step, "split": "train", "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+               "grad_norm": float(grad_norm), "samples_per_s": sps, "mem_gb": metrics.peak_memory_gb(self.device)}
+        if self.flops_per_sample:
+            tflops = self.flops_per_sample * sps / 1e12
+            row["tflops"] = tflops
+            peak = metrics.peak_tflops(self.device, self.precision.name)
+            if peak:
+                row["mfu"] = tflops / (peak * self.env.world_size)
+        if self.precision.scaler is not None:
+            row["skipped_steps"] = self.skipped_steps
+        done = self.step - self._start
+        row["eta_s"] = (time.perf_counter() - t_run) / done * (self.cfg.max_steps - self.step)
+        return row
+
+
+def _plain(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+registry.trainers.add("default", TrainerConfig, Trainer)

@@ -1,0 +1,249 @@
+"""Building blocks of the EDM / DDPM++ "SongUNet" (Karras et al. 2022, Song et al. 2021).
+
+Plain PyTorch, no dependency on ``framework``. The layers keep EDM's parameter
+names (``weight``/``bias``, ``norm0``/``conv0``/``affine``/...) so that the module
+tree reads like the reference architecture, and EDM's initialisation scheme:
+weights are xavier-uniform multiplied by ``init_weight`` and biases start at zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _xavier_uniform_(tensor: torch.Tensor, fan_in: int, fan_out: int, gain: float) -> None:
+    # Explicit fans (instead of nn.init's inference) so convs and linears share one rule.
+    bound = gain * math.sqrt(6.0 / (fan_in + fan_out))
+    with torch.no_grad():
+        tensor.uniform_(-bound, bound)
+
+
+class Linear(nn.Module):
+    """Fully connected layer with EDM init (xavier-uniform times ``init_weight``, zero bias)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, init_weight: float = 1.0):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        _xavier_uniform_(self.weight, in_features, out_features, init_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+class Conv2d(nn.Module):
+    """2-D convolution with optional 2x up/down sampling by a fixed separable filter.
+
+    As in EDM the resampling is a separate, parameter-free depthwise step with the
+    normalised outer product of ``resample_filter`` (``[1, 1]`` = box filter):
+    a stride-2 depthwise conv for ``down``, a stride-2 depthwise transposed conv
+    (filter x4 to keep the mean) for ``up``. The learned ``kernel x kernel`` conv
+    runs afterwards at the new resolution. ``kernel=0`` gives a pure resampler
+    without parameters.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel: int,
+        bias: bool = True,
+        up: bool = False,
+        down: bool = False,
+        resample_filter: Sequence[int] = (1, 1),
+        init_weight: float = 1.0,
+    ):
+        super().__init__()
+        if up and down:
+            raise ValueError("Conv2d cannot both upsample and downsample")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.up = up
+        self.down = down
+        self.weight = None
+        self.bias = None
+        if kernel:
+            self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kernel, kernel))
+            _xavier_uniform_(self.weight, in_channels * kernel * kernel, out_channels * kernel * kernel, init_weight)
+            if bias:
+                self.bias = nn.Parameter(torch.zeros(out_channels))
+        if up or down:
+            f = torch.as_tensor(list(resample_filter), dtype=torch.float32)
+            f = torch.outer(f, f) / f.sum().square()
+            # A buffer (not a parameter): the filter is fixed, but moves with .to()/.cuda().
+            self.register_buffer("resample_filter", f[None, None])
+        else:
+            self.resample_filter = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.resample_filter
+        if f is not None:
+            c = x.shape[1]
+            f = f.to(x.dtype).tile(c, 1, 1, 1)
+            pad = (f.shape[-1] - 1) // 2
+            if self.up:
+                x = F.conv_transpose2d(x, f * 4, groups=c, stride=2, padding=pad)
+            else:
+                x = F.conv2d(x, f, groups=c, stride=2, padding=pad)
+        if self.weight is not None:
+            w = self.weight.to(x.dtype)
+            x = F.conv2d(x, w, padding=w.shape[-1] // 2)
+        if self.bias is not None:
+            x = x + self.bias.to(x.dtype).reshape(1, -1, 1, 1)
+        return x
+
+
+class GroupNorm(nn.Module):
+    """GroupNorm with EDM's group rule: ``min(num_groups, C // min_channels_per_group)`` groups.
+
+    This keeps at least 4 channels per group for narrow layers instead of failing
+    when C < 32.
+    """
+
+    def __init__(self, num_channels: int, num_groups: int = 32, min_channels_per_group: int = 4, eps: float = 1e-5):
+        super().__init__()
+        self.num_groups = max(1, min(num_groups, num_channels // min_channels_per_group))
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(num_channels))
+        self.bias = nn.Parameter(torch.zeros(num_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, self.num_groups, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+class PositionalEmbedding(nn.Module):
+    """Transformer-style sinusoidal embedding of the (scalar) noise level.
+
+    Returns ``[cos(x * f_i), sin(x * f_i)]`` with geometrically spaced frequencies
+    ``f_i`` from 1 down to ``1 / max_positions`` (inclusive when ``endpoint``).
+    """
+
+    def __init__(self, num_channels: int, max_positions: int = 10000, endpoint: bool = False):
+        super().__init__()
+        if num_channels % 2:
+            raise ValueError(f"PositionalEmbedding needs an even num_channels, got {num_channels}")
+        self.num_channels = num_channels
+        self.max_positions = max_positions
+        self.endpoint = endpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = self.num_channels // 2
+        # At least fp32: sin/cos of noise levels in half precision is too coarse.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        freqs = torch.arange(half, dtype=dtype, device=x.device)
+        freqs = freqs / (half - (1 if self.endpoint else 0))
+        freqs = (1.0 / self.max_positions) ** freqs
+        x = torch.outer(x.reshape(-1).to(dtype), freqs)
+        return torch.cat([x.cos(), x.sin()], dim=1)
+
+
+class Attention(nn.Module):
+    """Single-/multi-head self-attention over all pixels, as a residual add-on to a UNetBlock.
+
+    The qkv 1x1 conv output is split as EDM does, with channels ordered
+    (head, channel-in-head, q/k/v); the output projection starts near zero
+    (``init_zero``) so a fresh block is close to the identity.
+    """
+
+    def __init__(self, channels: int, num_heads: int, eps: float = 1e-5, init_attn: float = math.sqrt(0.2), init_zero: float = 1e-5):
+        super().__init__()
+        if channels % num_heads:
+            raise ValueError(f"Attention: {channels} channels not divisible by {num_heads} heads")
+        self.num_heads = num_heads
+        self.norm = GroupNorm(channels, eps=eps)
+        self.qkv = Conv2d(channels, channels * 3, kernel=1, init_weight=init_attn)
+        self.proj = Conv2d(channels, channels, kernel=1, init_weight=init_zero)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        qkv = self.qkv(self.norm(x)).reshape(b, self.num_heads, c // self.num_heads, 3, h * w)
+        # SDPA wants (batch, heads, tokens, head_dim); tokens are the pixels.
+        q, k, v = (t.transpose(-1, -2) for t in qkv.unbind(3))
+        a = F.scaled_dot_product_attention(q, k, v)  # scale 1/sqrt(head_dim), as EDM
+        return self.proj(a.transpose(-1, -2).reshape(b, c, h, w))
+
+
+class UNetBlock(nn.Module):
+    """DDPM++ residual block, optionally resampling and with optional self-attention.
+
+    ``x -> GN -> SiLU -> conv3x3 (up/down) -> + emb affine -> GN -> SiLU -> dropout
+    -> conv3x3``, plus a skip (1x1 conv when channels change or the block resamples,
+    else identity); the sum is scaled by ``skip_scale`` (1/sqrt(2)) to keep the
+    variance. Attention, if any, is a second scaled residual step.
+
+    ``emb_channels=0`` builds no affine layer at all (used for an unconditional
+    regression net); ``adaptive_scale`` makes the embedding produce scale and shift
+    (FiLM) instead of a plain additive shift.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        emb_channels: int = 0,
+        up: bool = False,
+        down: bool = False,
+        attention: bool = False,
+        num_heads: int | None = None,
+        channels_per_head: int = 64,
+        dropout: float = 0.0,
+        skip_scale: float = math.sqrt(0.5),
+        eps: float = 1e-5,
+        resample_filter: Sequence[int] = (1, 1),
+        resample_proj: bool = True,
+        adaptive_scale: bool = False,
+        init_zero: float = 1e-5,
+        init_attn: float = math.sqrt(0.2),
+    ):
+        super().__init__()
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.dropout = dropout
+        self.skip_scale = skip_scale
+        self.adaptive_scale = adaptive_scale
+
+        self.norm0 = GroupNorm(in_channels, eps=eps)
+        self.conv0 = Conv2d(in_channels, out_channels, kernel=3, up=up, down=down, resample_filter=resample_filter)
+        self.affine = None
+        if emb_channels:
+            self.affine = Linear(emb_channels, out_channels * (2 if adaptive_scale else 1))
+        self.norm1 = GroupNorm(out_channels, eps=eps)
+        # Near-zero last conv: the block starts out as (scaled) identity on the skip path.
+        self.conv1 = Conv2d(out_channels, out_channels, kernel=3, init_weight=init_zero)
+
+        self.skip = None
+        if out_channels != in_channels or up or down:
+            kernel = 1 if resample_proj or out_channels != in_channels else 0
+            self.skip = Conv2d(in_channels, out_channels, kernel=kernel, up=up, down=down, resample_filter=resample_filter)
+
+        self.attn = None
+        if attention:
+            heads = num_heads if num_heads is not None else out_channels // channels_per_head
+            self.attn = Attention(out_channels, max(1, heads), eps=eps, init_attn=init_attn, init_zero=init_zero)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
+        orig = x
+        x = self.conv0(F.silu(self.norm0(x)))
+        if self.affine is not None:
+            if emb is None:
+                raise ValueError("UNetBlock was built with an embedding affine but got emb=None")
+            params = self.affine(emb).to(x.dtype)[:, :, None, None]
+            if self.adaptive_scale:
+                scale, shift = params.chunk(2, dim=1)
+                x = F.silu(torch.addcmul(shift, self.norm1(x), scale + 1))
+            else:
+                x = F.silu(self.norm1(x + params))
+        else:
+            x = F.silu(self.norm1(x))
+        x = self.conv1(F.dropout(x, p=self.dropout, training=self.training))
+        x = (x + (self.skip(orig) if self.skip is not None else orig)) * self.skip_scale
+        if self.attn is not None:
+            x = (x + self.attn(x)) * self.skip_scale
+        return x

@@ -1,0 +1,47 @@
+"""Shared fixtures: configs composed through Hydra's compose API, runs in tmp_path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def compose():
+    from framework.cli import compose as _compose
+
+    return _compose
+
+
+def run_cli(args, cwd, env=None, timeout=600):
+    """Run ``python -m framework`` as a user would; returns the CompletedProcess."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "framework", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_overrides(tmp_path, data_root, **extra):
+    """A fast tiny run: small synthetic grid and few steps, outputs under tmp_path."""
+    o = {
+        "hydra.run.dir": str(tmp_path / "run"),
+        "data.root": str(data_root),
+        "data.grid": "[16,16]",
+        "data.hours_per_year": 48,
+        "data.batch_size": 4,
+        "model.model_channels": 8,
+        "trainer.max_steps": 6,
+        "trainer.log_every": 1,
+        "trainer.val_every": 3,
+        "trainer.val_batches": 1,
+        "trainer.progress": "false",
+        "checkpoint.every": 3,
+        "schedule.warmup_steps": 2,
+    }
+    o.update(extra)
+    return [f"{k}={v}" for k, v in o.items()]

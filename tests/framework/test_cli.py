@@ -1,0 +1,133 @@
+"""The real CLI, as a user runs it: the main job, resume, exit codes and one-line errors."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from framework.logging.jsonl import read
+from tests.conftest import run_cli, tiny_overrides
+
+
+def assert_one_line_error(proc, code, pattern):
+    assert proc.returncode == code, proc.stderr
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    import re
+
+    assert re.search(pattern, err[0]), err[0]
+
+
+@pytest.mark.slow
+def test_default_main_job_learns_and_beats_persistence(tmp_path):
+    """`python -m framework` with no overrides but where to write (about two minutes)."""
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}", f"data.root={tmp_path / 'data'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    train, val = read(run / "metrics.jsonl", "train"), read(run / "metrics.jsonl", "val")
+    assert train[-1]["step"] == 400
+    assert train[-1]["loss"] < train[0]["loss"] / 5  # the loss falls clearly
+    assert val[-1]["rmse"] < 0.8 * val[-1]["rmse_persistence"]  # and beats persistence
+    for key in ("step", "split", "loss", "lr", "grad_norm", "samples_per_s", "mem_gb"):
+        assert key in train[0]
+    assert (run / "checkpoints" / "step_00000400" / "meta.json").is_file()
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "framework.log").is_file()
+    log = (run / "framework.log").read_text()
+    assert "model beats persistence" in log and f"run dir: {run}" in log
+
+
+def test_short_run_writes_the_run_directory(tmp_path):
+    proc = run_cli(tiny_overrides(tmp_path, tmp_path / "data"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    rows = read(run / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if r["split"] == "val"] == [3, 6]
+    val = rows[-1]
+    assert {"rmse/t2m", "rmse_persistence/t2m", "rmse", "rmse_persistence"} <= set(val)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
+
+
+def test_resumed_run_logs_the_losses_of_an_unbroken_one(tmp_path):
+    data = tmp_path / "data"
+    a = tmp_path / "a"
+    over = tiny_overrides(a, data, deterministic="true", **{"hydra.run.dir": str(a)})
+    assert run_cli(over, cwd=tmp_path).returncode == 0
+    unbroken = read(a / "metrics.jsonl", "train")
+
+    # Simulate a crash after the step-3 checkpoint: drop what came after, then rerun in place.
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "step_00000006")
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read(a / "metrics.jsonl")
+                                             if r["step"] <= 3))
+    over = tiny_overrides(b, data, deterministic="true", **{"hydra.run.dir": str(b)})
+    proc = run_cli(over, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in (b / "framework.log").read_text()
+    resumed = read(b / "metrics.jsonl", "train")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in unbroken], rtol=1e-6)
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in unbroken]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "fp16"])
+def test_precisions_train(tmp_path, precision):
+    over = tiny_overrides(tmp_path, tmp_path / "data", precision=precision, **{"trainer.max_steps": 3,
+                          "checkpoint": "none"})
+    proc = run_cli(over, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read(tmp_path / "run" / "metrics.jsonl", "train")
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    if precision == "fp16":
+        assert "skipped_steps" in rows[-1]
+
+
+def test_grad_accumulation_matches_the_full_batch(tmp_path):
+    """Accumulating 2 micro-batches of 2 gives the step of one batch of 4 (deterministic)."""
+    losses = {}
+    for accum in (1, 2):
+        d = tmp_path / f"acc{accum}"
+        over = tiny_overrides(d, tmp_path / "data", deterministic="true", checkpoint="none",
+                              **{"trainer.grad_accum": accum, "trainer.max_steps": 3})
+        assert run_cli(over, cwd=tmp_path).returncode == 0
+        losses[accum] = [r["loss"] for r in read(d / "run" / "metrics.jsonl", "train")]
+    np.testing.assert_allclose(losses[1], losses[2], rtol=1e-5)
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["trainer.max_steps=0"], r"^error: trainer\.max_steps: must be > 0"),
+    (["model=nope"], r"^error: .*Could not find 'model/nope'; available:"),
+    (["optim._target_=os.system"], r"^error: optim\._target_: target 'os\.system' is not allowed"),
+    (["parallel=fsdp2"], r"^error: sharding policy 'fsdp2' is not available yet"),
+    (["data.grid=[33,32]"], r"^error: data\.grid: rows=33 is not divisible by 2"),
+])
+def test_bad_config_is_one_line_and_exit_2(tmp_path, args, pattern):
+    proc = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert_one_line_error(proc, 2, pattern)
+    assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_bad_data_is_one_line_and_exit_3(tmp_path):
+    from recipes.stormcast.synthetic import write_synthetic
+
+    root = write_synthetic(tmp_path / "store", height=16, width=16, years=(2020, 2021), hours_per_year=24)
+    args = [f"hydra.run.dir={tmp_path / 'run'}", "data=hrrr_era5", f"data.root={root}", "data.grid=[16,16]",
+            "data.train_years=[2020]", "data.val_years=[2021]", "data.hrrr_channels=[t2m,refc]",
+            "data.era5_channels=[u850]", "model=songunet_tiny"]
+    proc = run_cli(args, cwd=tmp_path)
+    assert_one_line_error(proc, 3, r"^error: .*2020\.zarr: channel 'refc' not in variable 'data'")
+    proc = run_cli([*args[:-2], "data.hrrr_channels=[t2m]", "data.era5_channels=[u850]",
+                    "data.train_years=[2019]"], cwd=tmp_path)
+    assert_one_line_error(proc, 3, r"^error: .*2019\.zarr")
+
+
+def test_runs_from_any_working_directory(tmp_path):
+    elsewhere = tmp_path / "some" / "where"
+    elsewhere.mkdir(parents=True)
+    over = tiny_overrides(tmp_path, tmp_path / "data", **{"trainer.max_steps": 1, "checkpoint": "none"})
+    proc = run_cli(over, cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-2000:]

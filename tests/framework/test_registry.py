@@ -1,0 +1,55 @@
+"""Config options and registry entries map one to one (by each node's ``name``)."""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from framework import registry
+from framework.cli import CONF_DIR
+from framework.errors import ConfigError
+
+GROUP_TO_REGISTRY = {
+    "model": registry.models, "data": registry.datasets, "sharding": registry.sharding,
+    "splitter": registry.splitters, "precision": registry.precision, "checkpoint": registry.checkpoint,
+    "logger": registry.loggers, "schedule": registry.schedules,
+}
+
+
+def _names(group: str, key: str = "name") -> set[str]:
+    out = set()
+    for f in (Path(CONF_DIR) / group).glob("*.yaml"):
+        node = OmegaConf.load(f)
+        if group == "recipe":
+            node = node.get("task", {})
+        out.add(str(OmegaConf.select(node, key)))
+    return out
+
+
+@pytest.mark.parametrize("group", sorted(GROUP_TO_REGISTRY))
+def test_options_and_entries_match(group):
+    registry.load_providers()
+    reg = GROUP_TO_REGISTRY[group]
+    assert _names(group) == set(reg.names())
+
+
+def test_recipes_map_to_tasks():
+    registry.load_providers()
+    assert _names("recipe") == set(registry.tasks.names())
+
+
+def test_trainer_entry_is_the_configured_one():
+    registry.load_providers()
+    assert registry.trainers.names() == [OmegaConf.load(Path(CONF_DIR) / "config.yaml").trainer.name]
+
+
+def test_unknown_name_lists_valid_ones():
+    with pytest.raises(ConfigError, match=r"unknown precision policy 'fp8'; valid: bf16, fp16, fp32, tf32"):
+        registry.precision.entry("fp8")
+
+
+def test_duplicate_registration_is_refused():
+    r = registry.Registry("thing")
+    r.add("a")
+    with pytest.raises(ValueError, match="registered twice"):
+        r.add("a")

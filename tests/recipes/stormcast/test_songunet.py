@@ -1,0 +1,168 @@
+"""Tests for the plain-PyTorch SongUNet (recipes/stormcast/songunet.py, layers.py)."""
+
+import ast
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import recipes.stormcast.songunet as songunet_mod
+from recipes.stormcast.layers import UNetBlock
+from recipes.stormcast.songunet import SongUNet
+
+STORMCAST_DIR = Path(songunet_mod.__file__).parent
+
+PAPER_REGRESSION = dict(
+    img_resolution=(512, 640),
+    in_channels=127,
+    out_channels=99,
+    model_channels=128,
+    channel_mult=[1, 2, 2, 2, 2],
+    num_blocks=4,
+    attn_resolutions=[],
+    embedding_type="zero",
+    dropout=0.0,
+)
+
+
+def tiny(**overrides):
+    kw = dict(
+        img_resolution=(32, 48),
+        in_channels=3,
+        out_channels=2,
+        model_channels=16,
+        channel_mult=[1, 2],
+        num_blocks=1,
+        attn_resolutions=[16],
+        dropout=0.0,
+    )
+    kw.update(overrides)
+    return SongUNet(**kw)
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_paper_regression_config_has_78_6M_params():
+    with torch.device("meta"):
+        model = SongUNet(**PAPER_REGRESSION)
+    assert abs(n_params(model) - 78.6e6) < 0.1e6, n_params(model)
+    assert model.downsample_factor == 16
+    # attn_resolutions=[] still leaves exactly one attention block: the bottleneck.
+    attn_blocks = [n for n, m in model.named_modules() if isinstance(m, UNetBlock) and m.attn is not None]
+    assert attn_blocks == ["dec.32_in0"]
+
+
+def test_attention_placed_by_row_resolution():
+    model = tiny()  # rows 32 -> 16; attention at 16 rows (level 1) + bottleneck
+    has_attn = {n: m.attn is not None for n, m in model.named_modules() if isinstance(m, UNetBlock)}
+    assert not has_attn["enc.32_block0"]
+    assert has_attn["enc.16_block0"]
+    assert has_attn["dec.16_in0"] and has_attn["dec.16_block1"] and not has_attn["dec.16_block0"]
+    assert not any(v for k, v in has_attn.items() if k.startswith("dec.32"))
+
+
+@pytest.mark.parametrize("embedding_type", ["positional", "zero"])
+def test_output_shape(embedding_type):
+    torch.manual_seed(0)
+    model = tiny(embedding_type=embedding_type)
+    x = torch.randn(2, 3, 32, 48)
+    noise = torch.rand(2) if embedding_type == "positional" else None
+    out = model(x, noise)
+    assert out.shape == (2, 2, 32, 48)
+    assert torch.isfinite(out).all()
+
+
+def test_zero_embedding_has_no_mapping_network():
+    model = tiny(embedding_type="zero")
+    names = [n for n, _ in model.named_parameters()]
+    assert not any(n.startswith("map_") for n in names)
+    assert any(n.startswith("map_") for n, _ in tiny().named_parameters())
+
+
+def test_non_divisible_grid_raises_naming_numbers():
+    with pytest.raises(ValueError, match=r"H=30, W=48.*= 4"):
+        tiny(img_resolution=(30, 48), channel_mult=[1, 2, 2])
+    model = tiny()
+    with pytest.raises(ValueError, match=r"H=32, W=47.*= 2"):
+        model(torch.randn(1, 3, 32, 47), torch.rand(1))
+
+
+def test_additive_pos_embed_shape():
+    model = tiny(additive_pos_embed=True)
+    assert model.pos_embed.shape == (1, 16, 32, 48)
+    assert tiny().pos_embed is None
+    out = model(torch.randn(1, 3, 32, 48), torch.rand(1))
+    assert out.shape == (1, 2, 32, 48)
+
+
+@pytest.mark.parametrize("embedding_type", ["positional", "zero"])
+def test_gradients_reach_every_parameter(embedding_type):
+    torch.manual_seed(0)
+    model = tiny(embedding_type=embedding_type, additive_pos_embed=True).double()
+    x = torch.randn(2, 3, 32, 48, dtype=torch.float64)
+    model(x, torch.rand(2, dtype=torch.float64)).square().sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        # With "zero" the block affine layers see an all-zero embedding: their
+        # weights get exactly zero gradient by construction (only biases learn).
+        if embedding_type == "zero" and name.endswith("affine.weight"):
+            assert p.grad.abs().max() == 0, name
+        else:
+            assert p.grad.abs().max() > 0, name
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_checkpointing_matches_plain(level, monkeypatch):
+    torch.manual_seed(0)
+    plain = tiny(dropout=0.1, additive_pos_embed=True)
+    ckpt = copy.deepcopy(plain)
+    ckpt.checkpoint_level = level
+    x = torch.randn(2, 3, 32, 48)
+    noise = torch.rand(2)
+
+    calls = []
+    real = songunet_mod.checkpoint
+    monkeypatch.setattr(songunet_mod, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    outs, grads = [], []
+    for model in (plain, ckpt):
+        torch.manual_seed(123)  # same dropout masks in both runs
+        out = model(x, noise)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    # level 1: only the 32-row blocks (enc 32_block0, dec 16->32 up + 2 blocks); level 2: all 10.
+    assert len(calls) == (4 if level == 1 else 10)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_channels_last_input_matches_contiguous():
+    torch.manual_seed(0)
+    model = tiny().eval()
+    x = torch.randn(2, 3, 32, 48)
+    noise = torch.rand(2)
+    with torch.no_grad():
+        ref = model(x, noise)
+        out = model(x.to(memory_format=torch.channels_last), noise)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.contiguous(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("filename", ["songunet.py", "layers.py"])
+def test_model_code_does_not_import_framework(filename):
+    tree = ast.parse((STORMCAST_DIR / filename).read_text())
+    imported = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imported.append(node.module or "")
+    bad = [m for m in imported if m == "framework" or m.startswith("framework.")]
+    assert not bad, f"{filename} imports {bad}"
+    assert "importlib" not in imported
