@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from framework.config import resolvers  # noqa: F401  (registers ${launch_time:})
 from framework.errors import ConfigError, FrameworkError
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")

@@ -15,3 +15,9 @@ class DataError(FrameworkError):
     """Input data that cannot be used (missing file, channel, NaN...): exit code 3."""
 
     exit_code = 3
+
+
+class DistributedError(FrameworkError):
+    """A peer rank failed or a collective timed out: exit code 5, never a hang."""
+
+    exit_code = 5

@@ -16,7 +16,9 @@ import torch
 
 from framework import registry
 from framework.checkpoint.manager import CheckpointManager
-from framework.distributed import collectives, env as dist_env, precision as precision_mod
+from framework.distributed import collectives, env as dist_env, mesh as mesh_mod, precision as precision_mod
+from framework.distributed.sharding import find_units
+from framework.errors import DistributedError
 from framework.logging.console import ConsoleSink
 from framework.logging.jsonl import JsonlSink
 from framework.train import optim as optim_mod, schedule as schedule_mod
@@ -40,7 +42,39 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def run_job(run, run_dir: Path) -> dict:
     registry.load_providers()
     env = dist_env.detect()
+    degrees = mesh_mod.resolve(run.parallel, env.world_size)  # config error before any group
     device = dist_env.pick_device(run.device, env)
+    with dist_env.process_group(env, device, run.parallel.timeout_s):
+        try:
+            return _run(run, run_dir, env, degrees, device)
+        except (torch.distributed.DistError, RuntimeError) as e:
+            if env.distributed and is_comm_failure(e):
+                raise DistributedError(_dist_message(e, env, run.parallel.timeout_s)) from None
+            raise
+
+
+_COMM_MARKERS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo",
+                 "nccl", "c10d")
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """Gloo reports timeouts and dead peers as plain RuntimeErrors; recognise them by text."""
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    text = str(e).lower()
+    return any(m in text for m in _COMM_MARKERS)
+
+
+def _dist_message(e: Exception, env, timeout_s: float) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "timed out" in first.lower() or "timeout" in first.lower():
+        return (f"rank {env.rank}: a collective timed out after {timeout_s:g} s (parallel.timeout_s); "
+                f"a peer rank is dead or hung: {first}")
+    return f"rank {env.rank}: a peer rank failed: {first}"
+
+
+def _run(run, run_dir: Path, env, degrees, device) -> dict:
+    topology = mesh_mod.build(degrees, device.type)
     seed_everything(run.seed, run.deterministic)
     precision = precision_mod.build(run.precision, device)
     precision.apply_backend_flags()
@@ -49,10 +83,14 @@ def run_job(run, run_dir: Path) -> dict:
     task.train_dataset()  # fail on bad data before building anything large
     task.val_dataset()
     model = task.build_model().to(device)
-    model = registry.splitters.build(run.splitter.name, model, run.splitter)
-    model = registry.sharding.build(run.sharding.name, model, run.sharding, precision=precision)
-    if run.trainer.compile:
-        model = torch.compile(model)
+    model = registry.splitters.build(run.splitter.name, model, run.splitter, topology=topology)
+    if run.trainer.compile:  # per block, before sharding, as torchtitan orders it
+        for _, unit in find_units(model, list(run.sharding.units)):
+            unit.compile()
+    sharded = registry.sharding.build(run.sharding.name, model, run.sharding, topology=topology,
+                                      precision=precision, device=device)
+    model = sharded.model
+    precision.sharded_cast = sharded.mixed_precision
 
     optimizer = optim_mod.build(run.optim, model.parameters())
     scheduler = schedule_mod.build(run.schedule, optimizer, run.trainer.max_steps)
@@ -67,12 +105,13 @@ def run_job(run, run_dir: Path) -> dict:
         extra = registry.loggers.build(run.logger.name, run.logger, run=run, run_dir=run_dir)
         if extra is not None:
             sinks.append(extra)
-        _report(run, env, device, model)
+        _report(run, env, device, topology, sharded)
 
     trainer_cls = registry.trainers.entry(run.trainer.name).builder
     trainer = trainer_cls(cfg=run.trainer, run=run, env=env, device=device, task=task, model=model,
                           optimizer=optimizer, scheduler=scheduler, precision=precision,
-                          checkpoint=checkpoint, sinks=sinks, run_dir=run_dir)
+                          checkpoint=checkpoint, sinks=sinks, run_dir=run_dir, dp_rank=topology.dp_rank,
+                          dp_size=topology.dp_size, dp_group=topology.group("dp"))
     try:
         summary = trainer.fit()
     finally:
@@ -85,9 +124,15 @@ def run_job(run, run_dir: Path) -> dict:
             "run_dir": summary.run_dir, "resumed_from": summary.resumed_from}
 
 
-def _report(run, env, device, model) -> None:
-    n = sum(p.numel() for p in model.parameters())
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    log.info("recipe=%s model=%s parallel=%s precision=%s device=%s world=%d",
-             run.recipe, run.model.name, run.parallel.name, run.precision.name, device, env.world_size)
-    log.info("parameters: %.3f M (%.1f MB per rank)", n / 1e6, nbytes / 2**20)
+def _report(run, env, device, topology, sharded) -> None:
+    params = list(sharded.model.parameters())
+    n = sum(p.numel() for p in params)  # DTensor numel is the global size
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    nbytes = sum(p.numel() * p.element_size() for p in local)
+    log.info("recipe=%s model=%s precision=%s device=%s world=%d",
+             run.recipe, run.model.name, run.precision.name, device, env.world_size)
+    log.info("mesh: %s (parallel=%s, sharding=%s, splitter=%s)", topology.describe(), run.parallel.name,
+             sharded.kind, run.splitter.name)
+    if sharded.units:
+        log.info("FSDP2 units (%d): %s", len(sharded.units), ", ".join(sharded.units))
+    log.info("parameters: %.3f M; %.3f MB of parameters on this rank", n / 1e6, nbytes / 2**20)

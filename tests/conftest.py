@@ -45,3 +45,14 @@ def tiny_overrides(tmp_path, data_root, **extra):
     }
     o.update(extra)
     return [f"{k}={v}" for k, v in o.items()]
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run with -m gpu on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

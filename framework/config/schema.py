@@ -82,6 +82,8 @@ class ShardingConfig:
     reshard_after_forward: str = "default"  # default | always | never
     cpu_offload: bool = False
     forward_prefetch: bool = False
+    units: list[str] = field(default_factory=list)  # FSDP unit classes; []: repeated blocks
+
 
     def __post_init__(self):
         one_of(self, "reshard_after_forward", ("default", "always", "never"))

@@ -6,6 +6,8 @@ process. The same code path serves 1 and N processes.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -49,3 +51,26 @@ def pick_device(requested: str, env: DistEnv) -> torch.device:
     device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
+
+
+@contextlib.contextmanager
+def process_group(env: DistEnv, device: torch.device, timeout_s: float):
+    """Init the default process group for N > 1 processes; always torn down on exit.
+
+    Every collective gets ``timeout_s``: a rank that died or hangs makes the others fail
+    with an error naming the timeout instead of waiting forever.
+    """
+    import torch.distributed as dist
+
+    if not env.distributed:
+        yield
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # a broken group cannot block the exit
+            dist.destroy_process_group()

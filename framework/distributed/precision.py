@@ -21,9 +21,10 @@ class Precision:
     autocast_dtype: torch.dtype | None  # None: no autocast
     tf32: bool
     scaler: torch.amp.GradScaler | None
+    sharded_cast: bool = False  # FSDP2's MixedPrecisionPolicy casts params: no autocast
 
     def autocast(self, device: torch.device):
-        if self.autocast_dtype is None:
+        if self.autocast_dtype is None or self.sharded_cast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 

@@ -7,6 +7,7 @@ owns files. Sharding has already been applied to ``model``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -84,16 +85,25 @@ class Trainer:
     def train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         scaler = self.precision.scaler
         total = torch.zeros((), device=self.device)
-        for micro in self._micro_batches(batch):
-            with self.precision.autocast(self.device):
-                loss = self.task.loss(self.model, micro)
-            scaled = loss / self.cfg.grad_accum
-            (scaler.scale(scaled) if scaler else scaled).backward()
+        micros = self._micro_batches(batch)
+        for i, micro in enumerate(micros):
+            # DDP: all-reduce once, on the last micro-batch. FSDP2 reduce-scatters every
+            # micro-batch: gradients stay sharded (memory) at the cost of more traffic.
+            no_sync = getattr(self.model, "no_sync", None)
+            ctx = no_sync() if no_sync is not None and i < len(micros) - 1 else contextlib.nullcontext()
+            with ctx:
+                with self.precision.autocast(self.device):
+                    loss = self.task.loss(self.model, micro)
+                scaled = loss / self.cfg.grad_accum
+                (scaler.scale(scaled) if scaler else scaled).backward()
             total += loss.detach()
         if scaler:
             scaler.unscale_(self.optimizer)  # clip the true gradients
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        # One global norm: over DTensor shards, torch reduces across every mesh dim.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         if scaler:
             scale = scaler.get_scale()
             scaler.step(self.optimizer)

@@ -1,0 +1,157 @@
+"""Data-parallel scaling at the StormCast paper size: none / ddp / fsdp2 on 1 and 2+ GPUs.
+
+Runs the framework's own pieces (registry model builder, mesh, sharding policy,
+precision policy, Trainer.train_step) on in-memory batches, so the data loader is not
+what is measured. One configuration per launch; the driver launches them side by side
+and prints ratios:
+
+    python benchmarks/scaling.py --gpus 2            # driver: runs every layout, prints the table
+    torchrun --nproc-per-node 2 benchmarks/scaling.py --worker --sharding fsdp2   # one layout
+
+Figures per GPU: samples/s, peak memory, and the bytes of parameters + gradients +
+optimizer state each GPU holds (measured from the tensors after a step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PAPER = dict(model_channels=128, channel_mult=[1, 2, 2, 2, 2], num_blocks=4, attn_resolutions=[])
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def worker(args) -> None:
+    import torch
+
+    from framework import registry
+    from framework.config.schema import ParallelConfig, PrecisionConfig, ShardingConfig, TrainerConfig
+    from framework.distributed import env as dist_env, mesh, precision as precision_mod
+    from framework.train.trainer import Trainer
+    from recipes.stormcast.config import SongUNetConfig
+
+    registry.load_providers()
+    env = dist_env.detect()
+    device = dist_env.pick_device("cuda", env)
+    with dist_env.process_group(env, device, 600):
+        topo = mesh.build(mesh.resolve(ParallelConfig(), env.world_size), "cuda")
+        prec = precision_mod.build(PrecisionConfig(name=args.precision), device)
+        prec.apply_backend_flags()
+        torch.manual_seed(0)
+        model = registry.models.build("songunet", SongUNetConfig(**PAPER), in_channels=127, out_channels=99,
+                                      img_resolution=(args.height, args.width)).to(device)
+        if args.compile:
+            from framework.distributed.sharding import find_units
+
+            for _, unit in find_units(model, []):
+                unit.compile()
+        sharded = registry.sharding.build(args.sharding, model, ShardingConfig(name=args.sharding),
+                                          topology=topo, precision=prec, device=device)
+        prec.sharded_cast = sharded.mixed_precision
+        model = sharded.model
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+        class Task:  # the regression loss on in-memory tensors
+            @staticmethod
+            def loss(m, batch):
+                return torch.nn.functional.mse_loss(m(batch["x"]).float(), batch["y"])
+
+        t = Trainer(cfg=TrainerConfig(), run=None, env=env, device=device, task=Task(), model=model,
+                    optimizer=opt, scheduler=sched, precision=prec, checkpoint=None, sinks=[],
+                    run_dir=Path("."), dp_rank=topo.dp_rank, dp_size=topo.dp_size, dp_group=topo.group("dp"))
+        b = args.batch_per_gpu
+        batch = {"x": torch.randn(b, 127, args.height, args.width, device=device),
+                 "y": torch.randn(b, 99, args.height, args.width, device=device)}
+        for _ in range(args.warmup):
+            t.train_step(batch)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            t.train_step(batch)
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / args.steps
+        params = list(model.parameters())
+        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        # gradients are freed by zero_grad(set_to_none); their size equals the parameters'
+        result = {
+            "sharding": args.sharding, "gpus": env.world_size, "precision": args.precision,
+            "compile": args.compile, "batch_per_gpu": b, "grid": [args.height, args.width],
+            "step_s": dt, "samples_per_s": b * env.world_size / dt,
+            "samples_per_s_per_gpu": b / dt,
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "state_gib": (2 * _local_bytes(params) + _local_bytes(state)) / 2**30,
+        }
+        if env.is_main:
+            print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(sharding: str, gpus: int, args) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+           str(Path(__file__).resolve()), "--worker", "--sharding", sharding, "--precision", args.precision,
+           "--batch-per-gpu", str(args.batch_per_gpu), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--height", str(args.height), "--width", str(args.width)] + (["--compile"] if args.compile else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    err = proc.stderr.splitlines()
+    start = next((i for i, ln in enumerate(err) if ln.startswith("Traceback")), max(0, len(err) - 15))
+    raise SystemExit(f"{sharding} on {gpus} GPU(s) failed:\n" + "\n".join(err[start:start + 40]))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--sharding", default="none")
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--batch-per-gpu", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--height", type=int, default=512)
+    ap.add_argument("--width", type=int, default=640)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    runs = [launch("none", 1, args), launch("fsdp2", 1, args)]
+    if args.gpus > 1:
+        runs += [launch("ddp", args.gpus, args), launch("fsdp2", args.gpus, args)]
+    base = runs[0]
+    print(f"{'layout':>8} {'gpus':>4} {'samples/s':>10} {'/GPU':>7} {'xbase':>6} {'peak GiB/GPU':>12} "
+          f"{'p+g+opt GiB/GPU':>15}")
+    for r in runs:
+        print(f"{r['sharding']:>8} {r['gpus']:>4} {r['samples_per_s']:>10.2f} {r['samples_per_s_per_gpu']:>7.2f} "
+              f"{r['samples_per_s'] / base['samples_per_s']:>6.2f} {r['peak_mem_gib']:>12.1f} {r['state_gib']:>15.3f}")
+    if args.gpus > 1:
+        ddp, fsdp = runs[2], runs[3]
+        print(f"fsdp2 x{args.gpus} throughput / none x1: {fsdp['samples_per_s'] / base['samples_per_s']:.2f} "
+              f"(target >= {0.95 * args.gpus:.1f})")
+        print(f"fsdp2 / ddp params+grads+optimizer per GPU: {fsdp['state_gib'] / ddp['state_gib']:.2f} "
+              f"(target <= 0.55)")
+    if args.out:
+        args.out.write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()

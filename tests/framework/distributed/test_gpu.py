@@ -1,0 +1,41 @@
+"""On GPUs (NCCL): the main job, and every layout against one process. Marked gpu."""
+
+import pytest
+import torch
+
+from framework.logging.jsonl import read
+from scripts.loss_compare import compare, run_layout
+from tests.conftest import run_cli
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+EXTRA = ["device=cuda", "data.grid=[32,32]", "data.hours_per_year=64", "data.batch_size=8"]
+
+
+def test_main_job_on_one_gpu(tmp_path):
+    proc = run_cli(["device=cuda", "trainer.max_steps=60", "trainer.val_every=60", f"hydra.run.dir={tmp_path / 'r'}",
+                    f"data.root={tmp_path / 'data'}", "precision=bf16"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read(tmp_path / "r" / "metrics.jsonl", "train")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[-1]["mem_gb"] > 0 and rows[-1]["tflops"] > 0 and "mfu" in rows[-1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_parity")
+    extra = [*EXTRA, f"data.root={tmp / 'data'}"]
+    return tmp, extra, run_layout(["parallel=none"], 1, tmp / "none", 5, extra)
+
+
+@pytest.mark.parametrize("layout,nproc", [
+    (["parallel=ddp"], 2), (["parallel=fsdp2"], 2), (["parallel=hsdp"], 4),
+    (["parallel=fsdp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"], 2),
+])
+def test_nccl_layout_matches_one_gpu(reference, layout, nproc):
+    if GPUS < nproc:
+        pytest.skip(f"needs {nproc} GPUs, {GPUS} here")
+    tmp, extra, ref = reference
+    losses = run_layout(layout, nproc, tmp / "_".join(layout).replace("=", "-"), 5, extra)
+    assert compare(ref, losses) <= 1e-5, (ref, losses)

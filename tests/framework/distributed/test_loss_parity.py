@@ -1,0 +1,63 @@
+"""Through the real CLI under torchrun (gloo): every layout logs the losses of parallel=none."""
+
+import subprocess
+import sys
+
+import pytest
+
+from scripts.loss_compare import compare, run_layout
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(600)
+
+EXTRA = ["data.grid=[16,16]", "data.hours_per_year=48", "data.batch_size=4", "model.model_channels=8"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parity")
+    extra = [*EXTRA, f"data.root={tmp / 'data'}"]
+    return tmp, extra, run_layout(["parallel=none"], 1, tmp / "none", 5, extra)
+
+
+@pytest.mark.parametrize("layout,nproc", [
+    (["parallel=ddp"], 2),
+    (["parallel=fsdp2"], 2),
+    (["parallel=hsdp"], 4),
+    (["parallel=fsdp2", "trainer.grad_accum=2", "sharding.reshard_after_forward=never"], 2),
+])
+def test_layout_logs_the_losses_of_one_process(reference, layout, nproc):
+    tmp, extra, ref = reference
+    losses = run_layout(layout, nproc, tmp / "_".join(layout).replace("=", "-"), 5, extra)
+    assert len(losses) == 5
+    assert compare(ref, losses) <= 1e-5, (ref, losses)
+
+
+def test_loss_compare_script_reports_and_exits_zero(reference):
+    tmp, extra, _ = reference
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "loss_compare.py"), "--b", "parallel=fsdp2",
+                           "--nproc-b", "2", "--steps", "3", "--", *extra], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "max relative difference" in proc.stdout and "within rtol" in proc.stdout
+
+
+def test_start_up_report_and_sharded_parameter_bytes(reference):
+    tmp, extra, _ = reference
+    run_layout(["parallel=fsdp2"], 2, tmp / "report", 1, extra)
+    log = (tmp / "report" / "framework.log").read_text()
+    assert "mesh: dp_replicate=1 x dp_shard=2 x domain=1 (parallel=fsdp2, sharding=fsdp2" in log
+    assert "FSDP2 units" in log and "block0 (reshard=True)" in log and "<root> (reshard=False)" in log
+    run_layout(["parallel=none"], 1, tmp / "report1", 1, extra)
+    mb = [float(f.read_text().split("M; ")[1].split(" MB")[0]) for f in
+          (tmp / "report" / "framework.log", tmp / "report1" / "framework.log")]
+    assert mb[0] == pytest.approx(mb[1] / 2, rel=0.1)  # each of 2 ranks holds about half (dim-0 padding)
+
+
+def test_degrees_that_do_not_match_the_world_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "framework", "parallel=fsdp2", "parallel.domain=3", "splitter=off",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 2 and all("cannot fill 2 ranks" in ln for ln in errors)  # one line per rank
+    assert "framework/" not in proc.stderr  # no traceback of ours (torchrun reports the exit on its own)

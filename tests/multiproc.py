@@ -1,0 +1,44 @@
+"""Spawn real ranks from inside pytest: gloo on localhost, a free port, one process each."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, errors, timeout_s):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        fn(rank, world, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, timeout_s: float = 120):
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; re-raise the first failure."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, errors, timeout_s), nprocs=world,
+                           start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        details = [] if errors.empty() else [errors.get()]
+        raise AssertionError(f"rank failed: {details or e}") from None
