@@ -85,6 +85,12 @@ class CheckpointManager:
             raise DataError(f"checkpoint {path} lacks {', '.join(missing)}")
         ckpt_state.restore(trainer, state, exclude=tuple(self.cfg.exclude), full=self.backend.full_state)
 
+    def before_optimizer_step(self) -> None:
+        """Called before every optimizer step (sync backends: nothing in flight)."""
+
+    def finish(self) -> None:
+        """Called when training ends: wait for any save still in flight."""
+
     def prune(self) -> None:
         done = self.complete()
         for old in done[: max(0, len(done) - self.cfg.keep)]:

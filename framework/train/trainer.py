@@ -104,6 +104,8 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if self.checkpoint is not None:  # an async save must finish reading before params change
+            self.checkpoint.before_optimizer_step()
         if scaler:
             scale = scaler.get_scale()
             scaler.step(self.optimizer)
@@ -181,6 +183,8 @@ class Trainer:
             if self.checkpoint is not None and self.checkpoint.due(self.step, last):
                 self.checkpoint.save(self, _plain(self.run.raw))
                 watch.lap()
+        if self.checkpoint is not None:
+            self.checkpoint.finish()  # a run that ends waits for its last save
         return Summary(self.step, last_loss, val_row, str(self.run_dir), resumed)
 
     def _train_row(self, loss: float, grad_norm, dt: float, steps: int, t_run: float) -> dict:
