@@ -1,4 +1,10 @@
-"""Checkpoint backends behind one manager (see manager.py)."""
+"""Checkpoint backends behind one manager (see manager.py and docs/checkpointing.md).
+
+- ``torch_save``: one consolidated file (rank 0 writes the gathered state);
+- ``dcp``: torch.distributed.checkpoint, every rank writes its shards, reshards on load;
+- ``dcp_async``: the same files, written in the background after a CPU staging copy;
+- ``none``: no checkpoints.
+"""
 
 from framework import registry
 from framework.config.schema import CheckpointConfig
@@ -11,10 +17,20 @@ def _torch_save(cfg):
     return TorchSaveBackend()
 
 
+@registry.checkpoint.register("dcp", CheckpointConfig)
+def _dcp(cfg):
+    from framework.checkpoint.dcp import DcpBackend
+
+    return DcpBackend(cfg.io_threads)
+
+
+@registry.checkpoint.register("dcp_async", CheckpointConfig)
+def _dcp_async(cfg):
+    from framework.checkpoint.dcp_async import AsyncDcpBackend
+
+    return AsyncDcpBackend(cfg.io_threads)
+
+
 @registry.checkpoint.register("none", CheckpointConfig)
 def _none(cfg):
     return None
-
-
-registry.checkpoint.add("dcp", CheckpointConfig, pending="issue 5, sharded checkpoints")
-registry.checkpoint.add("dcp_async", CheckpointConfig, pending="issue 5, sharded checkpoints")

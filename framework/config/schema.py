@@ -111,10 +111,11 @@ class CheckpointConfig:
     resume: str = "latest"  # latest | none | <path to a checkpoint>
     exclude: list[str] = field(default_factory=list)  # parts not loaded, e.g. [optimizer]
     save_final: bool = True
+    io_threads: int = 1  # dcp / dcp_async: writer threads per rank
 
     def __post_init__(self):
         non_negative(self, "every")
-        positive(self, "keep")
+        positive(self, "keep", "io_threads")
         parts = ("model", "optimizer", "schedule", "scaler", "rng", "data")
         bad = [p for p in self.exclude if p not in parts]
         if bad:

@@ -1,4 +1,4 @@
-"""Checkpoint manager with the torch_save backend: contents, atomicity, keep, resume choice."""
+"""Checkpoint manager in one process, every backend: contents, atomicity, keep, resume choice."""
 
 import json
 import random
@@ -6,8 +6,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 import torch
 
+from framework.checkpoint.dcp import DcpBackend
+from framework.checkpoint.dcp_async import AsyncDcpBackend
 from framework.checkpoint.manager import CheckpointManager
 from framework.checkpoint.torch_save import TorchSaveBackend
 from framework.config.schema import CheckpointConfig
@@ -27,30 +31,46 @@ def make_trainer(seed=0, scaler=False):
     return t
 
 
-def train(t, steps):
+def train(t, steps, m=None):
     for _ in range(steps):
         loss = t.model(torch.randn(16, 4)).pow(2).mean()
         loss.backward()
+        if m is not None:
+            m.before_optimizer_step()  # as the trainer does: an async save's copy is done
         t.optimizer.step()
         t.optimizer.zero_grad()
         t.scheduler.step()
         t.step += 1
 
 
-def manager(tmp_path, **kw):
-    return CheckpointManager(CheckpointConfig(**kw), TorchSaveBackend(), tmp_path, DistEnv())
+BACKENDS = {"torch_save": TorchSaveBackend, "dcp": DcpBackend, "dcp_async": AsyncDcpBackend}
 
 
-def test_roundtrip_restores_everything(tmp_path):
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request):
+    return request.param
+
+
+def manager(tmp_path, backend="torch_save", **kw):
+    return CheckpointManager(CheckpointConfig(name=backend, **kw), BACKENDS[backend](), tmp_path, DistEnv())
+
+
+def save(m, t, config):
+    path = m.save(t, config)
+    m.finish()  # an async save is committed here
+    return path
+
+
+def test_roundtrip_restores_everything(tmp_path, backend):
     a = make_trainer(scaler=True)
     train(a, 3)
     a.precision.scaler.scale(torch.ones(()))  # initialise the scale tensor, as a real step does
     a.precision.scaler.update(new_scale=32.0)
-    m = manager(tmp_path)
-    path = m.save(a, {"seed": 0})
+    m = manager(tmp_path, backend)
+    path = save(m, a, {"seed": 0})
     assert path.name == "step_00000003"
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["step"] == 3 and meta["config"] == {"seed": 0}
+    assert meta["step"] == 3 and meta["config"] == {"seed": 0} and meta["world_size"] == 1
     # Draws right after the save must repeat after the restore.
     expected = (torch.rand(3), np.random.rand(), random.random())
 
@@ -72,25 +92,27 @@ def test_roundtrip_restores_everything(tmp_path):
         assert torch.equal(pa, pb)
 
 
-def test_exclude_optimizer_keeps_fresh_state(tmp_path):
+def test_exclude_optimizer_keeps_fresh_state(tmp_path, backend):
     a = make_trainer()
     train(a, 2)
-    m = manager(tmp_path, exclude=["optimizer"])
-    m.save(a, {})
+    m = manager(tmp_path, backend, exclude=["optimizer"])
+    save(m, a, {})
     b = make_trainer(seed=1)
     m.load(m.latest(), b)
     assert b.optimizer.state == {} and b.step == 2
     assert torch.equal(a.model[0].weight, b.model[0].weight)
 
 
-def test_keep_prunes_oldest_and_never_the_newest(tmp_path):
+def test_keep_prunes_oldest_and_never_the_newest(tmp_path, backend):
     t = make_trainer()
-    m = manager(tmp_path, keep=2)
+    m = manager(tmp_path, backend, keep=2)
     for _ in range(4):
-        train(t, 1)
-        m.save(t, {})
+        train(t, 1, m)
+        m.save(t, {})  # async: the previous save is committed by this one
+    m.finish()
     assert [p.name for p in m.complete()] == ["step_00000003", "step_00000004"]
     assert m.latest().name == "step_00000004"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
 
 
 def test_partial_save_is_invisible_and_latest_is_previous(tmp_path):
@@ -114,8 +136,10 @@ def test_explicit_incomplete_checkpoint_is_a_clear_error(tmp_path):
     bad = tmp_path / "checkpoints" / "step_00000009"
     bad.mkdir(parents=True)
     m = manager(tmp_path, resume=str(bad))
-    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+    with pytest.raises(DataError, match="incomplete or corrupt: no meta.json"):
         m.resume_path()
+    with pytest.raises(ConfigError, match="does not exist"):
+        manager(tmp_path, resume=str(tmp_path / "nope")).resume_path()
     (bad / "meta.json").write_text("{}")
     (bad / "state.pt").write_bytes(b"garbage")
     with pytest.raises(DataError, match="cannot be read"):
@@ -132,4 +156,101 @@ def test_files_load_with_weights_only(tmp_path):
     train(t, 1)
     path = manager(tmp_path).save(t, {})
     state = torch.load(path / "state.pt", weights_only=True)
-    assert set(state) >= {"model", "optimizer", "schedule", "scaler", "rng", "data", "meta"}
+    assert set(state) >= {"model", "optimizer", "schedule", "scaler", "data", "meta"}
+    rng = torch.load(path / "rng" / "rank_0.pt", weights_only=True)
+    assert set(rng) >= {"torch", "numpy", "python"}
+
+
+def test_newest_is_the_last_committed_and_resaving_a_step_replaces_it(tmp_path):
+    t = make_trainer()
+    m = manager(tmp_path, keep=3)
+    for _ in range(3):
+        train(t, 1)
+        m.save(t, {})
+    # Resume from step 1 and train on: the new branch is the newest, whatever its step.
+    b = make_trainer(seed=1)
+    m.load(tmp_path / "checkpoints" / "step_00000001", b)
+    train(b, 1)
+    m.save(b, {})  # step 2 again: replaced whole
+    assert m.latest().name == "step_00000002"
+    assert [p.name for p in m.complete()] == ["step_00000001", "step_00000003", "step_00000002"]
+    m.cfg.keep = 1
+    m.prune()  # the oldest commits go first, the newest stays
+    assert [p.name for p in m.complete()] == ["step_00000002"]
+    c = make_trainer(seed=2)
+    m.load(m.latest(), c)
+    assert torch.equal(c.model[0].weight, b.model[0].weight)
+    assert not any(p.name.startswith(".") for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_corrupt_dcp_checkpoint_named_explicitly_is_one_line(tmp_path):
+    t = make_trainer()
+    train(t, 1)
+    m = manager(tmp_path, "dcp")
+    path = m.save(t, {})
+    data = path / "__0_0.distcp"
+    blob = data.read_bytes()
+
+    def fails(pattern):
+        with pytest.raises(DataError, match=pattern) as info:
+            m.load(path, make_trainer(seed=1))
+        assert "\n" not in str(info.value)
+
+    data.write_bytes(blob[: len(blob) // 2])
+    fails(r"is corrupt: data file __0_0.distcp is truncated")
+    data.unlink()
+    fails(r"is incomplete: data file __0_0.distcp is missing")
+    data.write_bytes(blob)
+    (path / "extra.pt").write_bytes(b"nonsense")
+    fails(r"extra.pt cannot be read")
+    (path / ".metadata").unlink()
+    fails(r"is incomplete: no DCP .metadata file")
+    (path / "meta.json").write_text("{not json")
+    fails(r"is corrupt: meta.json cannot be read")
+
+
+def test_dcp_into_a_different_model_is_one_line(tmp_path):
+    t = make_trainer()
+    train(t, 1)
+    m = manager(tmp_path, "dcp")
+    path = m.save(t, {})
+    other = make_trainer()
+    other.model[0] = torch.nn.Linear(4, 9)
+    other.model[2] = torch.nn.Linear(9, 2)
+    other.optimizer = torch.optim.Adam(other.model.parameters())
+    other.scheduler = torch.optim.lr_scheduler.LambdaLR(other.optimizer, lambda s: 1.0)
+    with pytest.raises(DataError, match="cannot be loaded into this model") as info:
+        m.load(path, other)
+    assert "\n" not in str(info.value)
+
+
+def test_metadata_unpickler_refuses_code(tmp_path):
+    import os
+    import pickle
+
+    from framework.checkpoint.dcp import read_metadata
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(DataError, match="is not allowed in checkpoint metadata"):
+        read_metadata(tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_rng_of_a_rank_the_checkpoint_lacks_is_reseeded(tmp_path, caplog):
+    t = make_trainer()
+    train(t, 1)
+    path = manager(tmp_path).save(t, {"seed": 7})
+    two = CheckpointManager(CheckpointConfig(), TorchSaveBackend(), tmp_path, DistEnv(rank=1, world_size=2))
+    with caplog.at_level("INFO", logger="framework"):
+        two._load_rng(path, json.loads((path / "meta.json").read_text()), {})
+    assert "rank 1: checkpoint step_00000001 holds RNG states of 1 rank(s); rank 1 reseeded" in caplog.text
+    first = torch.rand(2)
+    two._load_rng(path, json.loads((path / "meta.json").read_text()), {})
+    assert torch.equal(torch.rand(2), first)  # deterministic
+    (path / "rng" / "rank_0.pt").unlink()
+    with pytest.raises(DataError, match="no RNG state of rank 0"):
+        manager(tmp_path).load(path, make_trainer())
