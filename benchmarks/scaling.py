@@ -49,14 +49,26 @@ def worker(args) -> None:
 
     registry.load_providers()
     env = dist_env.detect()
-    device = dist_env.pick_device("cuda", env)
+    device = dist_env.pick_device(args.device, env)
+    cuda = device.type == "cuda"
     with dist_env.process_group(env, device, 600):
-        topo = mesh.build(mesh.resolve(ParallelConfig(), env.world_size), "cuda")
+        par = ParallelConfig(dp_shard=-1, domain=args.domain)
+        topo = mesh.build(mesh.resolve(par, env.world_size), device.type)
         prec = precision_mod.build(PrecisionConfig(name=args.precision), device)
         prec.apply_backend_flags()
         torch.manual_seed(0)
         model = registry.models.build("songunet", SongUNetConfig(**PAPER), in_channels=127, out_channels=99,
                                       img_resolution=(args.height, args.width)).to(device)
+        rows, weight = args.height, 1.0
+        if args.domain > 1:  # split every sample's rows over the domain ranks
+            from framework.domain.comm import DomainGroup
+            from framework.domain.shard_tensor import split_extents
+            from framework.domain.splitter import split
+
+            extents = split_extents(args.height, args.domain, 16)
+            dg = DomainGroup(topo.group("domain"), extents)
+            model = split(model, dg)
+            rows, weight = extents[dg.rank], args.domain * extents[dg.rank] / args.height
         if args.compile:
             from framework.distributed.sharding import find_units
 
@@ -66,28 +78,30 @@ def worker(args) -> None:
                                           topology=topo, precision=prec, device=device)
         prec.sharded_cast = sharded.mixed_precision
         model = sharded.model
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=cuda)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
         class Task:  # the regression loss on in-memory tensors
             @staticmethod
             def loss(m, batch):
-                return torch.nn.functional.mse_loss(m(batch["x"]).float(), batch["y"])
+                return torch.nn.functional.mse_loss(m(batch["x"]).float(), batch["y"]) * weight
 
         t = Trainer(cfg=TrainerConfig(), run=None, env=env, device=device, task=Task(), model=model,
                     optimizer=opt, scheduler=sched, precision=prec, checkpoint=None, sinks=[],
-                    run_dir=Path("."), dp_rank=topo.dp_rank, dp_size=topo.dp_size, dp_group=topo.group("dp"))
+                    run_dir=Path("."), dp_rank=topo.dp_rank, dp_size=topo.dp_size)
         b = args.batch_per_gpu
-        batch = {"x": torch.randn(b, 127, args.height, args.width, device=device),
-                 "y": torch.randn(b, 99, args.height, args.width, device=device)}
+        batch = {"x": torch.randn(b, 127, rows, args.width, device=device),
+                 "y": torch.randn(b, 99, rows, args.width, device=device)}
         for _ in range(args.warmup):
             t.train_step(batch)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             t.train_step(batch)
-        torch.cuda.synchronize()
+        sync()
         dt = (time.perf_counter() - t0) / args.steps
         params = list(model.parameters())
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -95,20 +109,22 @@ def worker(args) -> None:
         result = {
             "sharding": args.sharding, "gpus": env.world_size, "precision": args.precision,
             "compile": args.compile, "batch_per_gpu": b, "grid": [args.height, args.width],
-            "step_s": dt, "samples_per_s": b * env.world_size / dt,
-            "samples_per_s_per_gpu": b / dt,
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "domain": args.domain, "step_s": dt, "samples_per_s": b * topo.dp_size / dt,
+            "samples_per_s_per_gpu": b * topo.dp_size / dt / env.world_size,
+            "peak_mem_gib": (torch.cuda.max_memory_allocated(device) if cuda else 0) / 2**30,
             "state_gib": (2 * _local_bytes(params) + _local_bytes(state)) / 2**30,
         }
         if env.is_main:
             print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(sharding: str, gpus: int, args) -> dict:
+def launch(sharding: str, gpus: int, args, domain: int = 1) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
            str(Path(__file__).resolve()), "--worker", "--sharding", sharding, "--precision", args.precision,
            "--batch-per-gpu", str(args.batch_per_gpu), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--height", str(args.height), "--width", str(args.width)] + (["--compile"] if args.compile else [])
+           "--height", str(args.height), "--width", str(args.width), "--domain", str(domain),
+           "--device", args.device] + \
+        (["--compile"] if args.compile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -130,10 +146,16 @@ def main(argv=None) -> None:
     ap.add_argument("--height", type=int, default=512)
     ap.add_argument("--width", type=int, default=640)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
+    ap.add_argument("--domain", type=int, default=1, help="worker: domain ranks per sample")
+    ap.add_argument("--mode", choices=["dp", "domain"], default="dp",
+                    help="dp: none/ddp/fsdp2 scaling; domain: one sample split over the GPUs")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.mode == "domain":
+        return domain_table(args)
     runs = [launch("none", 1, args), launch("fsdp2", 1, args)]
     if args.gpus > 1:
         runs += [launch("ddp", args.gpus, args), launch("fsdp2", args.gpus, args)]
@@ -149,6 +171,21 @@ def main(argv=None) -> None:
               f"(target >= {0.95 * args.gpus:.1f})")
         print(f"fsdp2 / ddp params+grads+optimizer per GPU: {fsdp['state_gib'] / ddp['state_gib']:.2f} "
               f"(target <= 0.55)")
+    if args.out:
+        args.out.write_text(json.dumps(runs, indent=1))
+
+
+def domain_table(args) -> None:
+    """One sample split over the GPUs (fsdp2 over the flattened axis) against one GPU."""
+    runs = [launch("none", 1, args), launch("fsdp2", args.gpus, args, domain=args.gpus),
+            launch("ddp", args.gpus, args, domain=args.gpus)]
+    base = runs[0]
+    print(f"grid {args.height}x{args.width}, batch {args.batch_per_gpu}, {args.precision}")
+    print(f"{'layout':>14} {'gpus':>4} {'s/step':>8} {'speed-up':>9} {'peak GiB/GPU':>12} {'x mem':>6}")
+    for r in runs:
+        name = f"{r['sharding']}+domain{r['domain']}" if r["domain"] > 1 else r["sharding"]
+        print(f"{name:>14} {r['gpus']:>4} {r['step_s']:>8.3f} {base['step_s'] / r['step_s']:>9.2f} "
+              f"{r['peak_mem_gib']:>12.1f} {r['peak_mem_gib'] / max(base['peak_mem_gib'], 1e-9):>6.2f}")
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))
 

@@ -18,7 +18,7 @@ from framework import registry
 from framework.checkpoint.manager import CheckpointManager
 from framework.distributed import collectives, env as dist_env, mesh as mesh_mod, precision as precision_mod
 from framework.distributed.sharding import find_units
-from framework.errors import DistributedError
+from framework.errors import ConfigError, DistributedError
 from framework.logging.console import ConsoleSink
 from framework.logging.jsonl import JsonlSink
 from framework.train import optim as optim_mod, schedule as schedule_mod
@@ -43,6 +43,7 @@ def run_job(run, run_dir: Path) -> dict:
     registry.load_providers()
     env = dist_env.detect()
     degrees = mesh_mod.resolve(run.parallel, env.world_size)  # config error before any group
+    _check_layout(run, degrees)
     device = dist_env.pick_device(run.device, env)
     with dist_env.process_group(env, device, run.parallel.timeout_s):
         try:
@@ -65,6 +66,14 @@ def is_comm_failure(e: BaseException) -> bool:
     return any(m in text for m in _COMM_MARKERS)
 
 
+def _check_layout(run, degrees) -> None:
+    if run.sharding.name == "none" and degrees.world > 1:
+        raise ConfigError(f"sharding=none on {degrees.world} ranks would train {degrees.world} unsynchronised "
+                          "replicas; use parallel=ddp, fsdp2, hsdp, fsdp2_domain or domain")
+    if degrees.domain > 1 and run.splitter.name == "off":
+        raise ConfigError(f"parallel.domain={degrees.domain} needs splitter=shard_tensor (or parallel=fsdp2_domain)")
+
+
 def _dist_message(e: Exception, env, timeout_s: float) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if "timed out" in first.lower() or "timeout" in first.lower():
@@ -79,11 +88,12 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
     precision = precision_mod.build(run.precision, device)
     precision.apply_backend_flags()
 
-    task = registry.tasks.build(run.task.name, run, env, device, barrier=collectives.barrier)
+    domain = _domain_group(run, topology)
+    task = registry.tasks.build(run.task.name, run, env, device, barrier=collectives.barrier, domain=domain)
     task.train_dataset()  # fail on bad data before building anything large
     task.val_dataset()
     model = task.build_model().to(device)
-    model = registry.splitters.build(run.splitter.name, model, run.splitter, topology=topology)
+    model = registry.splitters.build(run.splitter.name, model, run.splitter, topology=topology, domain=domain)
     if run.trainer.compile:  # per block, before sharding, as torchtitan orders it
         for _, unit in find_units(model, list(run.sharding.units)):
             unit.compile()
@@ -111,7 +121,7 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
     trainer = trainer_cls(cfg=run.trainer, run=run, env=env, device=device, task=task, model=model,
                           optimizer=optimizer, scheduler=scheduler, precision=precision,
                           checkpoint=checkpoint, sinks=sinks, run_dir=run_dir, dp_rank=topology.dp_rank,
-                          dp_size=topology.dp_size, dp_group=topology.group("dp"))
+                          dp_size=topology.dp_size)
     try:
         summary = trainer.fit()
     finally:
@@ -122,6 +132,19 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
             log.info(line)
     return {"steps": summary.steps, "final_loss": summary.final_loss, "val": summary.val,
             "run_dir": summary.run_dir, "resumed_from": summary.resumed_from}
+
+
+def _domain_group(run, topology):
+    """Rows of each domain rank at full resolution, multiples of the model's down-sampling."""
+    from framework.domain.comm import DomainGroup
+    from framework.domain.shard_tensor import split_extents
+
+    size = topology.degrees.domain
+    if size == 1:
+        return None
+    multiple = getattr(run.model, "downsample_factor", 1)
+    extents = split_extents(run.data.grid[0], size, multiple)
+    return DomainGroup(topology.group("domain"), extents)
 
 
 def _report(run, env, device, topology, sharded) -> None:

@@ -44,10 +44,10 @@ def ddp(model: nn.Module, cfg: ShardingConfig, *, topology, device, **_) -> Shar
         return Sharded(model, "none")
     from torch.nn.parallel import DistributedDataParallel
 
-    if topology.degrees.domain > 1:
-        raise ConfigError("sharding=ddp with parallel.domain > 1 is not supported; use parallel=fsdp2_domain")
     ids = [device.index] if device.type == "cuda" else None
-    wrapped = DistributedDataParallel(model, device_ids=ids, process_group=topology.group("dp"))
+    # Over every rank: domain ranks of one sample hold replicas too, and their gradient
+    # contributions must be summed (the task weights their losses so the average is right).
+    wrapped = DistributedDataParallel(model, device_ids=ids)
     return Sharded(wrapped, "ddp")
 
 

@@ -11,4 +11,8 @@ def _console(cfg, **_):
     return None  # console + metrics.jsonl only
 
 
-registry.loggers.add("wandb", LoggerConfig, pending="issue 7, cluster workflow and wandb")
+@registry.loggers.register("wandb", LoggerConfig)
+def _wandb(cfg, *, run, run_dir, **_):
+    from framework.logging.wandb_sink import WandbSink
+
+    return WandbSink(cfg, run, run_dir)

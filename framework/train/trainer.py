@@ -54,12 +54,14 @@ class Summary:
 
 class Trainer:
     def __init__(self, *, cfg: TrainerConfig, run, env, device, task, model, optimizer, scheduler,
-                 precision, checkpoint, sinks, run_dir: Path, dp_rank=0, dp_size=1, dp_group=None):
+                 precision, checkpoint, sinks, run_dir: Path, dp_rank=0, dp_size=1):
         self.cfg, self.run, self.env, self.device = cfg, run, env, device
         self.task, self.model, self.optimizer, self.scheduler = task, model, optimizer, scheduler
         self.precision, self.checkpoint, self.sinks = precision, checkpoint, sinks
         self.run_dir = Path(run_dir)
-        self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        # Metrics reduce over every rank: data-parallel ranks hold other samples, domain
+        # ranks other pixels of the same ones (their losses are weighted to sum right).
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.step = 0
         self.run_id = uuid.uuid4().hex[:12]
         self.flops_per_sample: float | None = None
@@ -133,7 +135,7 @@ class Trainer:
                 sums[k] = sums[k] + v if k in sums else v
         self.model.train()
         for v in sums.values():
-            collectives.all_reduce_sum(v, self.dp_group)
+            collectives.all_reduce_sum(v)
         row = {"step": self.step, "split": "val", **self.task.val_summary(sums)}
         self._log(row)
         return row
@@ -147,7 +149,10 @@ class Trainer:
                 self.checkpoint.load(path, self)
                 resumed = str(path)
                 log.info("resumed from %s at step %d", path, self.step)
-        start = self._start = self.step
+        self._start = self.step
+        for sink in self.sinks:  # sinks that need the (restored) run id start now
+            if hasattr(sink, "start"):
+                sink.start(self)
         data = self.run.data
         sampler = GlobalBatchSampler(len(self.task.train_dataset()), data.batch_size, dp_rank=self.dp_rank,
                                      dp_size=self.dp_size, seed=self.run.seed, start_step=self.step)
@@ -162,14 +167,14 @@ class Trainer:
             batch = self._to_device(next(batches))
             if self.flops_per_sample is None:
                 (loss, grad_norm), flops = metrics.count_flops(lambda: self.train_step(batch))
-                self.flops_per_sample = flops * self.dp_size / data.batch_size
+                self.flops_per_sample = flops * self.env.world_size / data.batch_size  # every rank's share
             else:
                 loss, grad_norm = self.train_step(batch)
             self.step += 1
             last = self.step == self.cfg.max_steps
 
             if self.step % self.cfg.log_every == 0 or last:
-                loss = collectives.all_reduce_mean(loss.detach().clone(), self.dp_group)
+                loss = collectives.all_reduce_mean(loss.detach().clone())
                 last_loss = float(loss)
                 if not math.isfinite(last_loss) and self.precision.scaler is None:
                     raise NonFiniteLoss(f"loss became {last_loss} at step {self.step}; last checkpoint kept")

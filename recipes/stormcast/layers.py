@@ -144,6 +144,22 @@ class PositionalEmbedding(nn.Module):
         return torch.cat([x.cos(), x.sin()], dim=1)
 
 
+class AdditivePosEmbed(nn.Module):
+    """A learned field of shape (1, C, H, W) added to the activations (as its own module,
+    so a domain-parallel rank can add just its rows of it)."""
+
+    def __init__(self, channels: int, resolution: tuple[int, int]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, channels, *resolution))
+        nn.init.trunc_normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2:] != self.weight.shape[-2:]:
+            raise ValueError(f"additive_pos_embed needs input of size {tuple(self.weight.shape[-2:])}, "
+                             f"got {tuple(x.shape[-2:])}")
+        return x + self.weight.to(x.dtype)
+
+
 class Attention(nn.Module):
     """Single-/multi-head self-attention over all pixels, as a residual add-on to a UNetBlock.
 

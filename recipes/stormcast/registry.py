@@ -3,6 +3,7 @@
 from framework import registry
 from recipes.stormcast.config import (HrrrEra5DataConfig, RegressionTaskConfig, SongUNetConfig,
                                       SyntheticDataConfig)
+from recipes.stormcast import parallelize  # noqa: F401  (domain rules of the SongUNet layers)
 from recipes.stormcast.task import RegressionTask
 
 

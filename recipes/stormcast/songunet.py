@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from recipes.stormcast.layers import Conv2d, GroupNorm, Linear, PositionalEmbedding, UNetBlock
+from recipes.stormcast.layers import (AdditivePosEmbed, Conv2d, GroupNorm, Linear, PositionalEmbedding,
+                                      UNetBlock)
 
 _EMBEDDING_TYPES = ("positional", "zero")
 # EDM and PhysicsNeMo build the SongUNet's GroupNorms with eps=1e-6 (not the layer
@@ -125,10 +126,7 @@ class SongUNet(nn.Module):
             self.map_layer0 = Linear(noise_channels, self.emb_channels)
             self.map_layer1 = Linear(self.emb_channels, self.emb_channels)
 
-        self.pos_embed = None
-        if additive_pos_embed:
-            self.pos_embed = nn.Parameter(torch.empty(1, model_channels, *self.img_resolution))
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        self.pos_embed = AdditivePosEmbed(model_channels, self.img_resolution) if additive_pos_embed else None
 
         # Encoder. Keys are "<rows at that level>_<role>" (EDM-like, for
         # readability); the level of each entry is kept for checkpointing.
@@ -209,10 +207,6 @@ class SongUNet(nn.Module):
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"SongUNet expects (B, {self.in_channels}, H, W) input, got {tuple(x.shape)}")
         self._check_divisible(x.shape[-2], x.shape[-1], what="input")
-        if self.pos_embed is not None and tuple(x.shape[-2:]) != self.img_resolution:
-            raise ValueError(
-                f"additive_pos_embed needs input of size {self.img_resolution}, got {tuple(x.shape[-2:])}"
-            )
 
         if self.embedding_type == "zero":
             emb = x.new_zeros(x.shape[0], self.emb_channels)
@@ -232,7 +226,7 @@ class SongUNet(nn.Module):
             else:
                 x = block(x)
                 if self.pos_embed is not None:
-                    x = x + self.pos_embed.to(x.dtype)
+                    x = self.pos_embed(x)
             skips.append(x)
 
         for block, level in zip(self.dec.values(), self._dec_levels):

@@ -16,11 +16,39 @@ from framework.errors import ConfigError, DataError
 log = logging.getLogger("framework")
 
 
+class RowBand(torch.utils.data.Dataset):
+    """A dataset's samples restricted to one band of rows (read from zarr, not sliced after)."""
+
+    def __init__(self, dataset, rows: slice):
+        self.dataset, self.rows = dataset, rows
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset.read(i, rows=self.rows)
+
+    def __getattr__(self, name):  # stats, channel names, grid: those of the whole dataset
+        if name in ("dataset", "rows"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
 class RegressionTask:
-    def __init__(self, run, env, device: torch.device, barrier=lambda: None):
+    def __init__(self, run, env, device: torch.device, barrier=lambda: None, domain=None):
         self.run, self.env, self.device, self.barrier = run, env, device, barrier
         self.data_cfg, self.model_cfg, self.cfg = run.data, run.model, run.task
         self._train = self._val = None
+        # Domain parallel: this rank reads and computes only its band of rows, and its
+        # loss is weighted by its share of the pixels (times the group size, since the
+        # gradient reduction averages over the domain ranks too).
+        self.domain = domain
+        self.rows = None
+        self.loss_weight = 1.0
+        if domain is not None:
+            start = sum(domain.extents[: domain.rank])
+            self.rows = slice(start, start + domain.extents[domain.rank])
+            self.loss_weight = domain.size * domain.extents[domain.rank] / sum(domain.extents)
 
     # config checks, before any heavy work -------------------------------------------------
     @staticmethod
@@ -45,7 +73,7 @@ class RegressionTask:
         if tuple(ds.grid) != tuple(d.grid):
             raise ConfigError(f"data.grid: config says {list(d.grid)} but the stores under {d.root} "
                               f"hold {list(ds.grid)}")
-        return ds
+        return ds if self.rows is None else RowBand(ds, self.rows)
 
     def _ensure_synthetic(self):
         from recipes.stormcast.synthetic import write_synthetic
@@ -90,7 +118,7 @@ class RegressionTask:
 
     def loss(self, model, batch) -> torch.Tensor:
         pred = self._predict(model, batch)
-        return F.mse_loss(pred.float(), batch["target"].float())
+        return F.mse_loss(pred.float(), batch["target"].float()) * self.loss_weight
 
     @torch.no_grad()
     def val_step(self, model, batch) -> dict[str, torch.Tensor]:

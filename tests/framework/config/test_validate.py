@@ -30,8 +30,7 @@ CASES = [
     (["checkpoint.exclude=[weights]"], r"^checkpoint\.exclude: unknown part"),
     (["parallel.domain=0"], r"^parallel\.domain: must be > 0 or -1"),
     (["parallel.dp_shard=-1", "parallel.domain=-1"], r"^parallel\.domain: only one of"),
-    (["parallel=fsdp2_domain"], r"domain splitter 'shard_tensor' is not available yet \(issue 4"),
-    (["checkpoint=dcp"], r"checkpoint backend 'dcp' is not available yet \(issue 5"),
+    (["recipe=stormcast_diffusion", "data.root=."], r"task 'stormcast_diffusion' is not available yet \(issue 6"),
 ]
 
 

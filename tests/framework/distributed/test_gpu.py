@@ -32,6 +32,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("layout,nproc", [
     (["parallel=ddp"], 2), (["parallel=fsdp2"], 2), (["parallel=hsdp"], 4),
     (["parallel=fsdp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"], 2),
+    (["parallel=domain"], 2), (["parallel=fsdp2_domain"], 2),
 ])
 def test_nccl_layout_matches_one_gpu(reference, layout, nproc):
     if GPUS < nproc:

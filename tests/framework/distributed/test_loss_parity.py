@@ -53,6 +53,15 @@ def test_start_up_report_and_sharded_parameter_bytes(reference):
     assert mb[0] == pytest.approx(mb[1] / 2, rel=0.1)  # each of 2 ranks holds about half (dim-0 padding)
 
 
+def test_unsynchronised_replicas_are_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "framework", "parallel=none", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode != 0 and errors
+    assert all("sharding=none on 2 ranks would train 2 unsynchronised replicas" in ln for ln in errors)
+
+
 def test_degrees_that_do_not_match_the_world_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            "-m", "framework", "parallel=fsdp2", "parallel.domain=3", "splitter=off",

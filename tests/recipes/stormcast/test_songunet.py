@@ -92,7 +92,7 @@ def test_non_divisible_grid_raises_naming_numbers():
 
 def test_additive_pos_embed_shape():
     model = tiny(additive_pos_embed=True)
-    assert model.pos_embed.shape == (1, 16, 32, 48)
+    assert model.pos_embed.weight.shape == (1, 16, 32, 48)
     assert tiny().pos_embed is None
     out = model(torch.randn(1, 3, 32, 48), torch.rand(1))
     assert out.shape == (1, 2, 32, 48)

@@ -1,0 +1,110 @@
+"""Differentiable collectives of framework/domain/comm.py on real gloo ranks.
+
+halo_exchange's forward equals slicing the zero-padded full tensor and its backward
+equals the single-device gradient (torch.autograd on the full tensor); all_reduce_sum
+and gather_rows are checked against their exact adjoints.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.domain.comm import DomainGroup, all_reduce_sum, gather_rows, halo_exchange
+from tests.framework.domain.helpers import band, for_each_group
+from tests.multiproc import spawn
+
+pytestmark = pytest.mark.timeout(300)
+
+EXACT = dict(rtol=1e-12, atol=1e-12)
+HALO_SPLITS = {2: {"even": [8, 8], "uneven": [11, 5], "tight": [2, 2]},
+               4: {"even": [4, 4, 4, 4], "uneven": [5, 2, 3, 6], "tight": [2, 2, 2, 2]}}
+
+
+def _check_halo(group, world, rank):
+    for kind, extents in HALO_SPLITS[world].items():
+        dg = DomainGroup(group, extents)
+        for halo in (1, 2):
+            for dim in (2, 3):
+                where = f"{world} ranks {extents}, rank {rank}, halo {halo}, dim {dim}"
+                shape = [2, 3, 4, 5]
+                shape[dim] = sum(extents)
+                full = torch.randn(shape, generator=torch.Generator().manual_seed(halo))
+                pad = (0, 0, halo, halo) if dim == 2 else (halo, halo)
+                # the reference: every rank's window of the zero-padded tensor, one loss for all
+                xf = full.clone().requires_grad_()
+                padded = F.pad(xf, pad)
+                outs = [padded.narrow(dim, sum(extents[:r]), extents[r] + 2 * halo) for r in range(world)]
+                grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(100 + r))
+                         for r, o in enumerate(outs)]
+                sum((o * g).sum() for o, g in zip(outs, grads)).backward()
+
+                xl = band(full, extents, rank, dim=dim).clone().requires_grad_()
+                y = halo_exchange(xl, halo, dg, dim=dim)
+                assert torch.equal(y, outs[rank].detach()), f"{where}: forward"
+                (y * grads[rank]).sum().backward()
+                torch.testing.assert_close(xl.grad, band(xf.grad, extents, rank, dim=dim), **EXACT,
+                                           msg=lambda m: f"{where}: backward: {m}")
+
+    # halo 0 is the identity; a band thinner than the halo is a clear error on every rank
+    x = torch.randn(1, 1, 3, 2)
+    assert halo_exchange(x, 0, DomainGroup(group, [3] * world)) is x
+    with pytest.raises(ValueError, match=r"a domain rank holds 1 rows but the layer needs a halo of 2: use "
+                                         "fewer domain ranks or a larger grid"):
+        halo_exchange(torch.randn(1, 1, 1, 2), 2, DomainGroup(group, [1] * world))
+
+
+def _check_reductions(group, world, rank):
+    dg = DomainGroup(group, [4] * world)
+    gen = lambda seed, *shape: torch.randn(*shape, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    xs = [gen(r, 2, 3) for r in range(world)]
+    gs = [gen(50 + r, 2, 3) for r in range(world)]
+    x = xs[rank].clone().requires_grad_()
+    y = all_reduce_sum(x, dg)
+    torch.testing.assert_close(y, sum(xs), **EXACT)
+    (y * gs[rank]).sum().backward()
+    torch.testing.assert_close(x.grad, sum(gs), **EXACT)  # d/dx_r sum_s <G_s, sum_t x_t> = sum_s G_s
+
+    # gather_rows at a coarser level than the extents: rows scale like the local ones
+    extents = {2: [12, 4], 4: [8, 4, 4, 4]}[world]
+    dg = DomainGroup(group, extents)
+    coarse = [e // 4 for e in extents]
+    assert dg.extents_like(coarse[rank]) == coarse and dg.offset_like(coarse[rank]) == sum(coarse[:rank])
+    full = gen(7, 2, 3, sum(coarse), 5)
+    x = band(full, coarse, rank).clone().requires_grad_()
+    y = gather_rows(x, dg)
+    assert torch.equal(y, full), f"{world} ranks, rank {rank}: gather_rows forward"
+    gs = [gen(70 + r, *full.shape) for r in range(world)]
+    (y * gs[rank]).sum().backward()
+    torch.testing.assert_close(x.grad, band(sum(gs), coarse, rank), **EXACT)
+    # columns too
+    full = gen(8, 2, 3, 5, sum(coarse))
+    x = band(full, coarse, rank, dim=3).clone()
+    assert torch.equal(gather_rows(x, dg, dim=3), full)
+
+
+def _ranks(rank, world):
+    for_each_group(rank, _check_halo)
+    for_each_group(rank, _check_reductions)
+
+
+def test_collectives_on_2_and_4_ranks():
+    spawn(_ranks, 4)
+
+
+def test_one_rank_domain_pads_with_zeros_and_reductions_are_identities():
+    dg = DomainGroup(None, [6])
+    assert dg.size == 1 and dg.rank == 0 and dg.global_ranks == [0]
+    x = torch.randn(2, 3, 6, 4)
+    y = halo_exchange(x, 2, dg)
+    assert torch.equal(y, F.pad(x, (0, 0, 2, 2)))
+    assert all_reduce_sum(x, dg) is x and gather_rows(x, dg) is x
+
+
+def test_extents_at_coarser_levels():
+    dg = DomainGroup(None, [32, 16, 16])
+    for rank, want in enumerate(([8, 4, 4], [8, 4, 4], [8, 4, 4])):
+        dg.rank = rank
+        local = dg.extents[rank] // 4
+        assert dg.extents_like(local) == want and dg.offset_like(local) == sum(want[:rank])
