@@ -82,8 +82,10 @@ class AsyncDcpBackend(DcpBackend):
         return self._group
 
     def save(self, state: dict, directory, env) -> Pending:
-        tensors = self.split(state, directory, env)
-        if self._stager is None:
+        # Plain tensors (same storage) rather than nn.Parameters: the stager deep-copies what
+        # it is given, attributes included; only the data is needed.
+        tensors = _detached(self.split(state, directory, env))
+        if not _usable(self._stager):
             cuda = torch.cuda.is_available()
             self._stager = _Stager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                   use_async_staging=True, use_non_blocking_copy=cuda))
@@ -97,6 +99,24 @@ class AsyncDcpBackend(DcpBackend):
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _usable(stager) -> bool:
+    """A stager kept from the last save still works (its staging buffers are reused).
+
+    torch 2.11's async_save closes the stager it is given once the write is done (2.13
+    leaves it to the caller); a closed stager has lost its copy dispatch: make a new one.
+    """
+    inner = getattr(stager, "_state_dict_stager", None)
+    return bool(getattr(inner, "_deepcopy_dispatch", None))
+
+
+def _detached(tree):
+    if isinstance(tree, dict):
+        return {k: _detached(v) for k, v in tree.items()}
+    if isinstance(tree, torch.nn.Parameter):
+        return tree.detach()
+    return tree
 
 
 def _default_timeout() -> datetime.timedelta:

@@ -13,8 +13,9 @@ step: after resuming from an older checkpoint the branch being trained is the ne
 ``keep`` prunes the oldest and never the newest complete checkpoint.
 
 Asynchronous backends return a pending save: the manager waits for its staging copy
-before the next optimizer step and commits it (rank 0, rename) once the write has
-completed on every rank; the next save and ``finish()`` wait for it.
+before the next optimizer step; rank 0's commit thread commits it (meta.json, rename,
+prune) once the write has completed on every rank, off the training loop; the next save
+and ``finish()`` wait for both.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +66,8 @@ class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, backend, run_dir: Path, env, barrier=lambda: None):
         self.cfg, self.backend, self.env, self.barrier = cfg, backend, env, barrier
         self.root = Path(run_dir) / "checkpoints"
-        self._inflight: tuple[_Job, object] | None = None
+        self._inflight: tuple[_Job, object, Future | None] | None = None
+        self._committer: ThreadPoolExecutor | None = None
 
     # discovery -------------------------------------------------------------------------
     def complete(self) -> list[Path]:
@@ -126,7 +129,12 @@ class CheckpointManager:
         except _ERRORS as e:
             raise CheckpointSaveError(_failed(job, e)) from None
         if pending is not None:  # asynchronous: committed once written everywhere
-            self._inflight = (job, pending)
+            committer = None
+            if self.env.is_main:  # the commit (rename, prune) runs off the training loop too
+                if self._committer is None:
+                    self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+                committer = self._committer.submit(self._commit_when_written, job, pending)
+            self._inflight = (job, pending, committer)
             return final
         self.barrier()  # every rank has written its part
         if self.env.is_main:
@@ -139,36 +147,49 @@ class CheckpointManager:
         the step is about to change; a finished one is committed."""
         if self._inflight is None:
             return
-        job, pending = self._inflight
+        job, pending, committer = self._inflight
         try:
             pending.wait_staged()
         except _ERRORS as e:
             self._inflight = None
             raise CheckpointSaveError(_failed(job, e)) from None
-        if pending.done():
-            self._settle()
+        if pending.done() and (committer is None or committer.done()):
+            self._settle()  # collects the outcome; nothing left to wait for
+
+    @property
+    def in_flight(self) -> bool:
+        """An asynchronous save is being written or committed."""
+        return self._inflight is not None
 
     def finish(self) -> None:
-        """Called when training ends: wait for the save still in flight and commit it."""
+        """Called when training ends: wait for the save still in flight and its commit."""
         try:
             self._settle()
             self.barrier()
         finally:
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None
             self.backend.close()
 
     def _settle(self) -> None:
         if self._inflight is None:
             return
-        job, pending = self._inflight
+        job, pending, committer = self._inflight
         self._inflight = None
         try:
             pending.wait()
+            if committer is not None:
+                committer.result()
         except _ERRORS as e:
             raise CheckpointSaveError(_failed(job, e)) from None
-        # The write completed on every rank: DCP's last step gathers every rank's result
-        # (and their RNG files were written before they started), so rank 0 may commit.
-        if self.env.is_main:
-            self._commit(job)
+
+    def _commit_when_written(self, job: _Job, pending) -> None:
+        """Rank 0, commit thread. The write completed on every rank once DCP's save returns
+        here: its last step gathers every rank's result (and each rank wrote its RNG file
+        before it started), so the checkpoint is whole and may become visible."""
+        pending.wait()
+        self._commit(job)
 
     def _commit(self, job: _Job) -> None:
         job.meta["committed_ns"] = time.time_ns()
@@ -273,4 +294,10 @@ def read_meta(path: Path) -> dict:
 def _failed(job: _Job, e: BaseException) -> str:
     from framework.checkpoint.dcp import dcp_error
 
-    return f"saving checkpoint {job.final.name} failed: {dcp_error(e)}; the previous checkpoint is intact"
+    cause = e
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:  # DCP: the first rank's exception
+        cause = next(iter(failures.values()))
+        cause = cause[0] if isinstance(cause, tuple) else cause
+    return (f"saving checkpoint {job.final.name} failed: {type(cause).__name__}: {dcp_error(e)}; "
+            "the previous checkpoint is intact")
