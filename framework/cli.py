@@ -19,8 +19,17 @@ log = logging.getLogger("framework")
 
 
 def fail(e: FrameworkError) -> None:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+    print(f"{getattr(e, 'prefix', 'error')}: {one_line(e)}", file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
+
+
+def one_line(e: Exception) -> str:
+    """The error's own message, also when a DataLoader worker re-raised it with its traceback."""
+    text = str(e).strip()
+    if "Original Traceback" in text:  # "...\nframework.errors.DataError: <message>"
+        last = [ln for ln in text.splitlines() if ln.strip()][-1]
+        text = last.split(": ", 1)[1] if ": " in last else last
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 # -- before Hydra: compose once ourselves so composition errors also get one line + exit 2 ---

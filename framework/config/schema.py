@@ -50,10 +50,11 @@ class TrainerConfig:
     val_batches: int = 4  # validation batches per evaluation; 0: the whole split
     progress: bool = True
     compile: bool = False
+    stop_before_end_min: float = 0.0  # SLURM: checkpoint and stop this long before the time limit
 
     def __post_init__(self):
         positive(self, "max_steps", "grad_accum", "log_every")
-        non_negative(self, "grad_clip", "val_every", "val_batches")
+        non_negative(self, "grad_clip", "val_every", "val_batches", "stop_before_end_min")
 
 
 @dataclass

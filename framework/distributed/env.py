@@ -34,10 +34,22 @@ def detect() -> DistEnv:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
-                       int(env.get("SLURM_LOCALID", 0)), "slurm")
+    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return _slurm()
     return DistEnv()
+
+
+def _slurm() -> DistEnv:
+    """One task per GPU under srun/submitit; rendezvous on the job's first node.
+
+    The port is derived from the job id, so a requeued job (same id) finds the same one.
+    """
+    from submitit.slurm.slurm import SlurmJobEnvironment  # parses SLURM_JOB_NODELIST
+
+    job = SlurmJobEnvironment()
+    os.environ.setdefault("MASTER_ADDR", job.hostnames[0])
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(str(job.job_id).split("_")[0]) % 20000))
+    return DistEnv(job.global_rank, job.num_tasks, job.local_rank, "slurm")
 
 
 def pick_device(requested: str, env: DistEnv) -> torch.device:

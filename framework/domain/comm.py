@@ -140,22 +140,3 @@ def gather_rows(x: torch.Tensor, dg: DomainGroup, dim: int = 2) -> torch.Tensor:
     """The full tensor along ``dim`` from every rank's rows (uneven extents allowed)."""
     return x if dg.size == 1 else _GatherRows.apply(x, dg, dim)
 
-
-class _GatherStack(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dg: DomainGroup):
-        ctx.dg = dg
-        parts = [torch.empty_like(x) for _ in range(dg.size)]
-        dist.all_gather(parts, x.contiguous(), group=dg.group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.dg.group)
-        return g[ctx.dg.rank], None
-
-
-def gather_stack(x: torch.Tensor, dg: DomainGroup) -> torch.Tensor:
-    """Every rank's ``x`` stacked on a new leading dim (same shape on all ranks)."""
-    return x[None] if dg.size == 1 else _GatherStack.apply(x, dg)

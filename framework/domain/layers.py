@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from framework.domain.comm import DomainGroup, gather_rows, gather_stack, halo_exchange
+from framework.domain.comm import DomainGroup, all_reduce_sum, gather_rows, halo_exchange
 
 
 class HaloMixin:
@@ -32,27 +32,26 @@ class HaloMixin:
 
 
 class GroupNormMixin:
-    """GroupNorm with statistics over the whole domain: one collective per call.
+    """GroupNorm whose statistics are summed over the domain group (two passes, >= fp32).
 
-    Each rank takes the mean and variance of its rows (fp32), the ranks exchange them
-    (one small all-gather) and combine them exactly (Chan et al.'s parallel variance),
-    as accurate as a two-pass variance. Needs ``num_groups``, ``eps``, ``weight``,
-    ``bias`` (as torch's GroupNorm has).
+    Two small all-reduces per call, but no extra full-size tensor kept for backward
+    (measured faster and leaner on H200 than exchanging per-rank mean/variance).
+    Needs ``num_groups``, ``eps``, ``weight``, ``bias`` (as torch's GroupNorm has).
     """
 
     _domain: DomainGroup
 
     def forward(self, x):
         dg = self._domain
-        b, g = x.shape[0], self.num_groups
-        xf = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(b, g, -1)  # fp32 at least
-        var_l, mean_l = torch.var_mean(xf, dim=-1, correction=0)
-        every = gather_stack(torch.stack([mean_l, var_l]), dg)  # (ranks, 2, b, g)
-        n = torch.tensor(dg.extents_like(x.shape[2]), dtype=xf.dtype, device=x.device)[:, None, None]
-        total = n.sum()
-        mean = (n * every[:, 0]).sum(0) / total
-        var = (n * (every[:, 1] + (every[:, 0] - mean) ** 2)).sum(0) / total
-        y = ((xf - mean[..., None]) * torch.rsqrt(var + self.eps)[..., None]).reshape(x.shape).to(x.dtype)
+        b, c = x.shape[:2]
+        g = self.num_groups
+        rows = sum(dg.extents_like(x.shape[2]))
+        count = (c // g) * rows * x.shape[3]
+        xf = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(b, g, -1)
+        mean = all_reduce_sum(xf.sum(-1), dg) / count
+        d = xf - mean[..., None]
+        var = all_reduce_sum((d * d).sum(-1), dg) / count
+        y = (d * torch.rsqrt(var + self.eps)[..., None]).reshape(x.shape).to(x.dtype)
         w = self.weight.to(x.dtype).reshape(1, -1, 1, 1) if self.weight is not None else 1
         bias = self.bias.to(x.dtype).reshape(1, -1, 1, 1) if self.bias is not None else 0
         return y * w + bias

@@ -23,7 +23,7 @@ from framework.data.loader import eval_loader, train_loader
 from framework.data.sampler import GlobalBatchSampler
 from framework.distributed import collectives
 from framework.errors import FrameworkError
-from framework.train import metrics
+from framework.train import metrics, preemption
 
 log = logging.getLogger("framework")
 
@@ -138,6 +138,11 @@ class Trainer:
             collectives.all_reduce_sum(v)
         row = {"step": self.step, "split": "val", **self.task.val_summary(sums)}
         self._log(row)
+        figures = getattr(self.task, "val_figures", None)
+        images = figures(self.run_dir / "plots", self.step) if figures else {}
+        for sink in self.sinks if images else ():
+            if hasattr(sink, "log_images"):
+                sink.log_images(self.step, images)
         return row
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -159,6 +164,15 @@ class Trainer:
         batches = iter(train_loader(self.task.train_dataset(), sampler, num_workers=data.num_workers,
                                     pin_memory=data.pin_memory, device=self.device))
         console = next((s for s in self.sinks if hasattr(s, "advance")), None)
+        stop = preemption.StopRequest(self.cfg.stop_before_end_min)
+        stop.install()
+        try:
+            return self._loop(batches, console, stop, resumed)
+        finally:
+            stop.uninstall()
+
+    def _loop(self, batches, console, stop, resumed) -> Summary:
+        data = self.run.data
         self.model.train()
         last_loss, val_row = None, {}
         watch = metrics.Stopwatch(self.device)
@@ -188,9 +202,23 @@ class Trainer:
             if self.checkpoint is not None and self.checkpoint.due(self.step, last):
                 self.checkpoint.save(self, _plain(self.run.raw))
                 watch.lap()
+            if not last and stop.agreed():
+                self._stop_early(stop)
         if self.checkpoint is not None:
             self.checkpoint.finish()  # a run that ends waits for its last save
         return Summary(self.step, last_loss, val_row, str(self.run_dir), resumed)
+
+    def _stop_early(self, stop) -> None:
+        saved = "no checkpoint (checkpoint=none)"
+        if self.checkpoint is not None:
+            if self.checkpoint.latest() is None or self.checkpoint.latest().name != f"step_{self.step:08d}":
+                self.checkpoint.save(self, _plain(self.run.raw))
+            self.checkpoint.finish()
+            saved = f"checkpoint step_{self.step:08d} saved"
+        log.info("stopping at step %d on %s; %s", self.step, stop.reason(), saved)
+        stop.hand_over()  # submitit requeues here (rank 0) and exits
+        raise preemption.Stopped(f"stopped at step {self.step} on {stop.reason()}: {saved}; "
+                                 "run again with the same run dir to resume")
 
     def _train_row(self, loss: float, grad_norm, dt: float, steps: int, t_run: float) -> dict:
         sps = self.run.data.batch_size * steps / dt if dt > 0 else 0.0

@@ -39,6 +39,7 @@ class RegressionTask:
         self.run, self.env, self.device, self.barrier = run, env, device, barrier
         self.data_cfg, self.model_cfg, self.cfg = run.data, run.model, run.task
         self._train = self._val = None
+        self._figure = None
         # Domain parallel: this rank reads and computes only its band of rows, and its
         # loss is weighted by its share of the pixels (times the group size, since the
         # gradient reduction averages over the domain ranks too).
@@ -125,6 +126,8 @@ class RegressionTask:
         """Per-channel sums of squared error (model and persistence), normalized units."""
         pred = self._predict(model, batch).float()
         target = batch["target"].float()
+        if self._figure is None:  # the first validation sample of this rank, for the figure
+            self._figure = (target[0, 0].detach(), pred[0, 0].detach())
         dims = (0, 2, 3)
         return {
             "se_model": ((pred - target) ** 2).sum(dims).double(),
@@ -132,6 +135,35 @@ class RegressionTask:
             "count": torch.tensor(float(target.numel() // target.shape[1]), dtype=torch.float64,
                                   device=target.device),
         }
+
+    def val_figures(self, out_dir, step: int) -> dict:
+        """Truth / prediction / error of the first channel of the first validation sample.
+
+        Domain ranks hold bands of rows: the fields are gathered (ShardTensor) before the
+        global rank 0 draws them. Returns {name: png path} on that rank, else {}.
+        """
+        from pathlib import Path
+
+        from framework.domain.shard_tensor import ShardTensor
+
+        if self._figure is None:
+            return {}
+        truth, pred = self._figure
+        self._figure = None
+        if self.domain is not None:
+            truth = ShardTensor.from_local(truth[None, None], self.domain.group).full_tensor()[0, 0]
+            pred = ShardTensor.from_local(pred[None, None], self.domain.group).full_tensor()[0, 0]
+        if not self.env.is_main:
+            return {}
+        from recipes.stormcast.plots import field_figure
+
+        name = self.data_cfg.hrrr_channels[0]
+        ds = self.val_dataset()
+        mean, std = float(ds.hrrr_means[0]), float(ds.hrrr_stds[0])
+        to_np = lambda t: t.cpu().double().numpy() * std + mean  # noqa: E731  physical units
+        path = field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name, to_np(truth), to_np(pred),
+                            f"{self.run.recipe}, step {step}: first validation sample")
+        return {f"fields/{name}": str(path)}
 
     def val_summary(self, sums: dict[str, torch.Tensor]) -> dict:
         mse = (sums["se_model"] / sums["count"]).cpu()

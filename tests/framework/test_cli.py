@@ -131,3 +131,25 @@ def test_runs_from_any_working_directory(tmp_path):
     over = tiny_overrides(tmp_path, tmp_path / "data", **{"trainer.max_steps": 1, "checkpoint": "none"})
     proc = run_cli(over, cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+class _BadSample(__import__("torch").utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        from framework.errors import DataError
+
+        raise DataError("/x/hrrr/2020.zarr: NaN in variable 'data' channel 't2m' at time index 3")
+
+
+def test_data_error_from_a_loader_worker_is_still_one_line():
+    import torch
+
+    from framework.cli import one_line
+    from framework.errors import DataError
+
+    with pytest.raises(DataError) as info:
+        next(iter(torch.utils.data.DataLoader(_BadSample(), num_workers=1)))
+    assert "Traceback" in str(info.value)  # what the worker hands back...
+    assert one_line(info.value) == "/x/hrrr/2020.zarr: NaN in variable 'data' channel 't2m' at time index 3"

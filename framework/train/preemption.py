@@ -1,0 +1,95 @@
+"""Stop cleanly when SLURM says so: preemption / time-limit signals and a wall-time margin.
+
+A signal (SIGUSR2, as submitit asks SLURM to send before the limit; SIGTERM) only sets a
+flag. At the next step boundary every rank learns whether any rank was signalled (one
+tiny all-reduce on a CPU group, so a GPU stream never waits), they save a checkpoint
+together and stop; the handler that was installed before ours (submitit's requeue)
+then runs, and the requeued job resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+
+from framework.errors import FrameworkError
+
+log = logging.getLogger("framework")
+SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+class Stopped(FrameworkError):
+    """Stopped early with a checkpoint: resubmit or requeue to continue (exit 75, EX_TEMPFAIL)."""
+
+    exit_code = 75
+    prefix = "stopped"
+
+
+def slurm_end_time() -> float | None:
+    """The job's end time (epoch seconds) from SLURM, or None outside SLURM."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+        return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
+    except Exception:  # no squeue, unlimited time ("N/A"), ...
+        return None
+
+
+class StopRequest:
+    def __init__(self, stop_before_end_min: float = 0.0):
+        self.signum: int | None = None
+        self.previous: dict[int, object] = {}
+        self.deadline = None
+        if stop_before_end_min > 0:
+            end = slurm_end_time()
+            if end is not None:
+                self.deadline = end - 60 * stop_before_end_min
+        self.group = None
+
+    def install(self) -> None:
+        for s in SIGNALS:
+            self.previous[s] = signal.getsignal(s)
+            signal.signal(s, self._on_signal)
+        if dist.is_available() and dist.is_initialized():
+            # CPU group: agreeing on the flag never synchronises a GPU stream
+            self.group = dist.new_group(backend="gloo")
+
+    def uninstall(self) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+        self.previous = {}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signum = signum  # acted on at the next step boundary
+
+    def reason(self) -> str:
+        if self.signum is not None:
+            return f"signal {signal.Signals(self.signum).name}"
+        return "the wall-time margin (trainer.stop_before_end_min)"
+
+    def agreed(self) -> bool:
+        """True on every rank when any rank was signalled or passed the deadline."""
+        local = self.signum is not None or (self.deadline is not None and time.time() >= self.deadline)
+        if self.group is None:
+            return local
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and self.signum is None and not local:
+            self.signum = signal.SIGUSR2  # another rank was told: act as if we were
+        return bool(flag.item())
+
+    def hand_over(self) -> None:
+        """Run the handler that was there before ours (submitit: requeue on rank 0)."""
+        previous = self.previous.get(self.signum) if self.signum is not None else None
+        self.uninstall()
+        if callable(previous):
+            previous(self.signum, None)

@@ -1,0 +1,96 @@
+"""SIGUSR2 / SIGTERM (SLURM preemption, time limit): all ranks agree, checkpoint, stop; resume continues."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from framework.logging.jsonl import read
+from tests.conftest import tiny_overrides
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _overrides(tmp_path, run, **extra):
+    return tiny_overrides(tmp_path, tmp_path / "data", deterministic="true",
+                          **{"hydra.run.dir": str(tmp_path / run), "trainer.max_steps": 40, "trainer.val_every": 0,
+                             "checkpoint.every": 1000, "data.hours_per_year": 96, **extra})
+
+
+def _launch(args, nproc, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "framework"] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "framework"]
+    return subprocess.Popen([*cmd, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_for_step(metrics, step, proc, timeout=240):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if metrics.exists() and any(r["step"] >= step for r in read(metrics, "train")):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("training did not reach the step in time")
+
+
+def _train_losses(path):
+    out = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("split") == "train":
+            out[row["step"]] = row["loss"]
+    return out
+
+
+@pytest.mark.parametrize("nproc,layout", [(1, "none"), (2, "fsdp2")])
+def test_signal_checkpoints_stops_and_resume_continues_the_curve(tmp_path, nproc, layout):
+    unbroken = _launch(_overrides(tmp_path, "unbroken", parallel=layout), nproc, tmp_path)
+    assert unbroken.wait(timeout=400) == 0, unbroken.communicate()[1][-3000:]
+
+    args = _overrides(tmp_path, "run", parallel=layout)
+    proc = _launch(args, nproc, tmp_path)
+    _wait_for_step(tmp_path / "run" / "metrics.jsonl", 3, proc)
+    # SLURM signals every task; here only one rank is told: the others must follow.
+    target = proc.pid if nproc == 1 else psutil.Process(proc.pid).children()[-1].pid
+    os.kill(target, signal.SIGUSR2)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    stopped = [ln for ln in err.splitlines() if ln.startswith("stopped:")]
+    assert stopped and "on signal SIGUSR2" in stopped[0] and "checkpoint step_" in stopped[0], err[-2000:]
+    step = int(stopped[0].split("stopped at step ")[1].split()[0])
+    assert (tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "meta.json").is_file()
+    assert 3 <= step < 40
+
+    again = _launch(args, nproc, tmp_path)
+    assert again.wait(timeout=400) == 0, again.communicate()[1][-3000:]
+    got, ref = _train_losses(tmp_path / "run" / "metrics.jsonl"), _train_losses(tmp_path / "unbroken" / "metrics.jsonl")
+    assert sorted(got) == list(range(1, 41))
+    for s in range(1, 41):
+        assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (s, got[s], ref[s])
+
+
+def test_a_previous_handler_runs_after_the_checkpoint(monkeypatch):
+    """Under submitit the handler installed before ours requeues the job: it must still run."""
+    from framework.train.preemption import StopRequest
+
+    seen = []
+    originals = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    monkeypatch.setattr(signal, "getsignal", lambda s: (lambda signum, frame: seen.append(signum)))
+    stop = StopRequest()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.agreed()
+        stop.hand_over()
+    finally:
+        stop.uninstall()
+        for s, h in originals.items():
+            signal.signal(s, h)
+    assert seen == [signal.SIGUSR2]
