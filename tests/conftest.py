@@ -56,3 +56,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def zarr_reads(monkeypatch):
+    """Every value zarr's LocalStore hands back, as (key, bytes): chunk reads, counted."""
+    from zarr.storage import LocalStore
+
+    calls = []
+    original = LocalStore.get
+
+    async def counting_get(self, key, *args, **kwargs):
+        buf = await original(self, key, *args, **kwargs)
+        calls.append((key, 0 if buf is None else len(buf)))
+        return buf
+
+    monkeypatch.setattr(LocalStore, "get", counting_get)
+    return calls
+
+
+def layout_reference(tmp_path_factory, name: str, extra: list[str], steps: int = 5):
+    """A parallel=none run every layout is compared to: (tmp dir, overrides, losses)."""
+    from scripts.loss_compare import run_layout
+
+    tmp = tmp_path_factory.mktemp(name)
+    extra = [*extra, f"data.root={tmp / 'data'}"]
+    return tmp, extra, run_layout(["parallel=none"], 1, tmp / "none", steps, extra)

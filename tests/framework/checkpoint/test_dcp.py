@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.framework.checkpoint.common import full, full_optimizer, full_params, train, trainer
+from tests.framework.checkpoint.common import full_optimizer, full_params, train, trainer
 from tests.multiproc import spawn
 
 pytestmark = pytest.mark.timeout(300)

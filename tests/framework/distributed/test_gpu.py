@@ -5,7 +5,7 @@ import torch
 
 from framework.logging.jsonl import read
 from scripts.loss_compare import compare, run_layout
-from tests.conftest import run_cli
+from tests.conftest import layout_reference, run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -24,9 +24,7 @@ def test_main_job_on_one_gpu(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gpu_parity")
-    extra = [*EXTRA, f"data.root={tmp / 'data'}"]
-    return tmp, extra, run_layout(["parallel=none"], 1, tmp / "none", 5, extra)
+    return layout_reference(tmp_path_factory, "gpu_parity", EXTRA)
 
 
 @pytest.mark.parametrize("layout,nproc", [

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from scripts.loss_compare import compare, run_layout
-from tests.conftest import REPO
+from tests.conftest import REPO, layout_reference
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -15,9 +15,7 @@ EXTRA = ["data.grid=[16,16]", "data.hours_per_year=48", "data.batch_size=4", "mo
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("parity")
-    extra = [*EXTRA, f"data.root={tmp / 'data'}"]
-    return tmp, extra, run_layout(["parallel=none"], 1, tmp / "none", 5, extra)
+    return layout_reference(tmp_path_factory, "parity", EXTRA)
 
 
 @pytest.mark.parametrize("layout,nproc", [

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from zarr.storage import LocalStore
 
 from framework.errors import DataError
 from recipes.stormcast import layout, synthetic
@@ -252,16 +251,8 @@ def test_read_rows_equals_slice(store):
         ds.read(i, slice(0, H, 2))
 
 
-def test_row_read_touches_fewer_chunks(store, monkeypatch):
-    calls = []
-    original = LocalStore.get
-
-    async def counting_get(self, key, *args, **kwargs):
-        buf = await original(self, key, *args, **kwargs)
-        calls.append((key, 0 if buf is None else len(buf)))
-        return buf
-
-    monkeypatch.setattr(LocalStore, "get", counting_get)
+def test_row_read_touches_fewer_chunks(store, zarr_reads):
+    calls = zarr_reads
     chunk_bytes = ROW_CHUNK * W * 4  # one uncompressed (1, 1, ROW_CHUNK, W) float32 chunk
 
     def payload():

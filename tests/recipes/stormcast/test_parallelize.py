@@ -224,21 +224,11 @@ def _dataset(root):
                            list(DEFAULT_INVARIANTS))
 
 
-def test_row_band_reads_exactly_its_rows_and_only_their_chunks(store, monkeypatch):
-    """As tests/recipes/stormcast/test_data.py counts them: zarr chunk reads of LocalStore."""
-    from zarr.storage import LocalStore
-
+def test_row_band_reads_exactly_its_rows_and_only_their_chunks(store, zarr_reads):
+    """Chunk reads of zarr's LocalStore, counted (the zarr_reads fixture)."""
     from recipes.stormcast.task import RowBand
 
-    calls = []
-    original = LocalStore.get
-
-    async def counting_get(self, key, *args, **kwargs):
-        buf = await original(self, key, *args, **kwargs)
-        calls.append((key, 0 if buf is None else len(buf)))
-        return buf
-
-    monkeypatch.setattr(LocalStore, "get", counting_get)
+    calls = zarr_reads
 
     chunk_bytes = ROW_CHUNK * COLS * 4  # one (1, 1, ROW_CHUNK, COLS) float32 chunk; the rest is shard indexes
 
