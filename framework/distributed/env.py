@@ -48,7 +48,8 @@ def _slurm() -> DistEnv:
 
     job = SlurmJobEnvironment()
     os.environ.setdefault("MASTER_ADDR", job.hostnames[0])
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(str(job.job_id).split("_")[0]) % 20000))
+    # SLURM_JOB_ID differs per job of an array (a sweep) and survives a requeue
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
     return DistEnv(job.global_rank, job.num_tasks, job.local_rank, "slurm")
 
 

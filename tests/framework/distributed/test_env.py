@@ -42,3 +42,17 @@ def test_a_one_task_slurm_job_is_a_single_process(clean):
     for k, v in {**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
         clean.setenv(k, v)
     assert detect() == DistEnv(0, 1, 0, "single")
+
+
+def test_jobs_of_one_sweep_get_different_ports(clean):
+    import os
+
+    ports = set()
+    for job_id, task in (("101", "0"), ("102", "1")):  # an array: one base id, one SLURM_JOB_ID each
+        for k, v in {**SLURM, "SLURM_JOB_ID": job_id, "SLURM_ARRAY_JOB_ID": "100",
+                     "SLURM_ARRAY_TASK_ID": task}.items():
+            clean.setenv(k, v)
+        clean.delenv("MASTER_PORT", raising=False)
+        detect()
+        ports.add(os.environ["MASTER_PORT"])
+    assert len(ports) == 2
