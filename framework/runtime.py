@@ -83,6 +83,8 @@ def _dist_message(e: Exception, env, timeout_s: float) -> str:
 
 
 def _run(run, run_dir: Path, env, degrees, device) -> dict:
+    if not env.is_main:  # one voice in the shared log; warnings and errors still from all
+        log.setLevel(logging.WARNING)
     topology = mesh_mod.build(degrees, device.type)
     seed_everything(run.seed, run.deterministic)
     precision = precision_mod.build(run.precision, device)

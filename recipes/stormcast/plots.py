@@ -30,3 +30,38 @@ def field_figure(path: Path, channel: str, truth: np.ndarray, pred: np.ndarray, 
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def radial_spectrum(field: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Radially averaged power spectrum of a 2-D field: (wavenumber, power)."""
+    f = np.fft.fftshift(np.fft.fft2(field - field.mean()))
+    power = np.abs(f) ** 2
+    h, w = field.shape
+    y, x = np.indices((h, w))
+    r = np.hypot(y - h // 2, x - w // 2).astype(int)
+    counts = np.bincount(r.ravel())
+    spectrum = np.bincount(r.ravel(), power.ravel()) / np.maximum(counts, 1)
+    k = np.arange(len(spectrum))
+    keep = (k > 0) & (k <= min(h, w) // 2)
+    return k[keep], spectrum[keep]
+
+
+def spectra_figure(path: Path, channel: str, truth: np.ndarray, pred: np.ndarray, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3.6), constrained_layout=True)
+    for data, name in ((truth, "truth"), (pred, "prediction")):
+        k, p = radial_spectrum(data)
+        ax.loglog(k, np.maximum(p, 1e-30), label=name)
+    ax.set_xlabel("wavenumber")
+    ax.set_ylabel("power")
+    ax.set_title(f"{channel} spectrum")
+    ax.legend()
+    fig.suptitle(title, fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

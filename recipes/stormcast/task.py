@@ -155,15 +155,17 @@ class RegressionTask:
             pred = ShardTensor.from_local(pred[None, None], self.domain.group).full_tensor()[0, 0]
         if not self.env.is_main:
             return {}
-        from recipes.stormcast.plots import field_figure
+        from recipes.stormcast.plots import field_figure, spectra_figure
 
         name = self.data_cfg.hrrr_channels[0]
         ds = self.val_dataset()
         mean, std = float(ds.hrrr_means[0]), float(ds.hrrr_stds[0])
         to_np = lambda t: t.cpu().double().numpy() * std + mean  # noqa: E731  physical units
-        path = field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name, to_np(truth), to_np(pred),
-                            f"{self.run.recipe}, step {step}: first validation sample")
-        return {f"fields/{name}": str(path)}
+        title = f"{self.run.recipe}, step {step}: first validation sample"
+        t, p = to_np(truth), to_np(pred)
+        fields = field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name, t, p, title)
+        spectra = spectra_figure(Path(out_dir) / f"spectrum_{step:08d}_{name}.png", name, t, p, title)
+        return {f"fields/{name}": str(fields), f"spectra/{name}": str(spectra)}
 
     def val_summary(self, sums: dict[str, torch.Tensor]) -> dict:
         mse = (sums["se_model"] / sums["count"]).cpu()

@@ -1,0 +1,51 @@
+"""On the real local SLURM cluster: USR2 -> all ranks checkpoint and stop -> submitit requeues
+-> the requeued job resumes from that checkpoint in the same run dir and finishes."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.slurm.test_local_cluster import ENV, _need_cluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
+
+
+def _train_steps(path):
+    steps = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("split") == "train":
+            steps.append(row["step"])
+    return steps
+
+
+def test_usr2_checkpoints_requeues_and_resumes(tmp_path):
+    _need_cluster()
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "framework", "--multirun", "cluster=slurm_local", "parallel=ddp", "device=cpu",
+           f"hydra.sweep.dir={sweep}", f"data.root={tmp_path / 'data'}", "data.grid=[16,16]",
+           "data.hours_per_year=96", "data.batch_size=4", "model.model_channels=8", "trainer.max_steps=150",
+           "trainer.log_every=1", "trainer.val_every=0", "checkpoint.every=1000", "trainer.progress=false"]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    metrics = sweep / "0" / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.exists() and len(_train_steps(metrics)) >= 5):
+        assert time.time() - t0 < 240 and launcher.poll() is None, "the job did not start training"
+        time.sleep(1)
+    job = subprocess.run(["squeue", "-h", "-o", "%i", "-n", "framework"], capture_output=True,
+                         text=True).stdout.split()
+    assert job, "no running job"
+    subprocess.run(["scancel", "-s", "USR2", job[0]], check=True)
+    out, _ = launcher.communicate(timeout=500)
+    assert launcher.returncode == 0, out[-3000:]
+    log = (sweep / "0" / "framework.log").read_text()
+    assert "stopping at step" in log and "on signal SIGUSR2; checkpoint step_" in log
+    stopped = int(log.split("stopping at step ")[1].split()[0])
+    assert f"resumed from {sweep / '0' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in log
+    assert "done: 150 steps" in log
+    steps = _train_steps(metrics)
+    assert steps == list(range(1, stopped + 1)) + list(range(stopped + 1, 151))  # no step lost, none twice
