@@ -49,3 +49,17 @@ def test_usr2_checkpoints_requeues_and_resumes(tmp_path):
     assert "done: 150 steps" in log
     steps = _train_steps(metrics)
     assert steps == list(range(1, stopped + 1)) + list(range(stopped + 1, 151))  # no step lost, none twice
+
+
+def test_wall_time_margin_reads_the_job_end_time():
+    """trainer.stop_before_end_min needs the job's end time: read inside a real 3-minute job."""
+    _need_cluster()
+    code = ("import time; from framework.train.preemption import StopRequest, slurm_end_time; "
+            "end = slurm_end_time(); s = StopRequest(stop_before_end_min=5); "
+            "print(round(end - time.time()), s.agreed())")
+    proc = subprocess.run(["srun", "-n", "1", "--time=3", sys.executable, "-c", code], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    left, agreed = proc.stdout.split()
+    assert 100 < int(left) <= 180  # about 3 minutes left
+    assert agreed == "True"  # 5 minutes of margin > 3 minutes left: stop now
