@@ -271,8 +271,8 @@ class CheckpointManager:
         else:
             seed = (meta.get("config") or {}).get("seed", 0)
             value = ckpt_state.reseed(seed, int(meta.get("step", 0)), rank)
-            log.info("rank %d: checkpoint %s holds RNG states of %s rank(s); rank %d reseeded "
-                     "deterministically (seed %d)", rank, path.name, saved, rank, value)
+            log.warning("rank %d: checkpoint %s holds RNG states of %s rank(s); rank %d reseeded "
+                        "deterministically (seed %d)", rank, path.name, saved, rank, value)
 
 
 def read_meta(path: Path) -> dict:
