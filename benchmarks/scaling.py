@@ -65,7 +65,7 @@ def worker(args) -> None:
             from framework.domain.shard_tensor import split_extents
             from framework.domain.splitter import split
 
-            extents = split_extents(args.height, args.domain, 16)
+            extents = split_extents(args.height, args.domain, model.downsample_factor)
             dg = DomainGroup(topo.group("domain"), extents)
             model = split(model, dg)
             rows, weight = extents[dg.rank], args.domain * extents[dg.rank] / args.height

@@ -6,7 +6,6 @@ code (2 for config, 3 for data); nothing else is printed, no traceback.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -15,7 +14,6 @@ from framework.config import resolvers  # noqa: F401  (registers ${launch_time:}
 from framework.errors import ConfigError, FrameworkError
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-log = logging.getLogger("framework")
 
 
 def fail(e: FrameworkError) -> None:

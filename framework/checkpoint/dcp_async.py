@@ -18,7 +18,6 @@ a different order on different ranks), and gloo works on CPU and beside NCCL.
 from __future__ import annotations
 
 import datetime
-import logging
 
 import torch
 import torch.distributed as dist
@@ -27,8 +26,6 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from framework.checkpoint.dcp import DcpBackend, _distributed
-
-log = logging.getLogger("framework")
 
 
 class Pending:

@@ -14,7 +14,6 @@ sampler's position). ``meta`` (step, run id) is always restored.
 from __future__ import annotations
 
 import hashlib
-import logging
 import random
 
 import numpy as np
@@ -23,7 +22,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-log = logging.getLogger("framework")
 
 PARTS = ("model", "optimizer", "schedule", "scaler", "rng", "data")
 TENSOR_PARTS = ("model", "optimizer")  # sharded under FSDP2; the rest is small and replicated

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -19,8 +18,6 @@ import torch.nn as nn
 from framework import registry
 from framework.config.schema import ShardingConfig
 from framework.errors import ConfigError
-
-log = logging.getLogger("framework")
 
 
 @dataclass

@@ -9,7 +9,6 @@ then runs, and the requeued job resumes from that checkpoint.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -20,7 +19,6 @@ import torch.distributed as dist
 
 from framework.errors import FrameworkError
 
-log = logging.getLogger("framework")
 SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 

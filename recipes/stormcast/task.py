@@ -5,15 +5,12 @@ The trainer calls ``loss`` and ``val_step``; everything weather-specific lives h
 
 from __future__ import annotations
 
-import logging
 
 import torch
 import torch.nn.functional as F
 
 from framework import registry
 from framework.errors import ConfigError, DataError
-
-log = logging.getLogger("framework")
 
 
 class RowBand(torch.utils.data.Dataset):
