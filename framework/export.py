@@ -43,10 +43,29 @@ def model_config(config: dict | None) -> dict:
         grid = [int(g) for g in data["grid"]]
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"checkpoint meta.json: data config lacks channels or grid ({e})") from None
+    io = _task_io(config.get("task"))  # a task may feed its net more than the data's channels
+    if io is not None:
+        in_channels, out_channels = io(data, config["task"])
     kwargs = {k: v for k, v in model.items() if k != "name"}
     kwargs.update(img_resolution=grid, in_channels=in_channels, out_channels=out_channels)
+    # The task node and channel names travel along: a consumer (the diffusion stage,
+    # inference) checks it is fed the data the model was trained on.
+    channels = {k: list(data.get(k) or []) for k in ("hrrr_channels", "era5_channels", "invariants")}
     return {"name": model.get("name"), "model": model, "in_channels": in_channels, "out_channels": out_channels,
-            "img_resolution": grid, "kwargs": kwargs}
+            "img_resolution": grid, "kwargs": kwargs, "task": config.get("task"), "channels": channels,
+            "seed": config.get("seed")}
+
+
+def _task_io(task):
+    from framework import registry
+    from framework.errors import ConfigError
+
+    if not isinstance(task, dict) or not task.get("name"):
+        return None
+    try:
+        return getattr(registry.tasks.entry(task["name"]).builder, "model_io", None)
+    except ConfigError:
+        return None
 
 
 def model_weights(ckpt: Path, meta: dict) -> dict[str, torch.Tensor]:

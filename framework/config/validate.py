@@ -126,6 +126,9 @@ def validate(cfg: DictConfig) -> RunConfig:
             schemas[group] = FIXED[group]
     # ...then every value against its schema.
     nodes: dict[str, Any] = {g: _typed(g, schemas[g], resolved[g]) for g in GROUPS}
+    # What is saved (checkpoints, exports, wandb) is the config as run: defaults included.
+    for g in GROUPS:
+        resolved[g] = OmegaConf.merge(OmegaConf.structured(schemas[g]), resolved[g])
 
     run = RunConfig(recipe=top.recipe, seed=top.seed, deterministic=top.deterministic,
                     device=top.device, nodes=nodes, raw=resolved)

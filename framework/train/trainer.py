@@ -179,6 +179,7 @@ class Trainer:
         window_start, t_run = self.step, time.perf_counter()
         while self.step < self.cfg.max_steps:
             batch = self._to_device(next(batches))
+            batch["step"] = self.step  # tasks key their random draws by it (equal on every layout)
             if self.flops_per_sample is None:
                 (loss, grad_norm), flops = metrics.count_flops(lambda: self.train_step(batch))
                 self.flops_per_sample = flops * self.env.world_size / data.batch_size  # every rank's share

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -35,6 +36,10 @@ class SongUNetConfig:
     @property
     def downsample_factor(self) -> int:
         return 2 ** (len(self.channel_mult) - 1)
+
+    @property
+    def downsample_reason(self) -> str:
+        return f"total down-sampling of model.channel_mult={list(self.channel_mult)}"
 
 
 @dataclass
@@ -99,3 +104,80 @@ class SyntheticDataConfig(HrrrEra5DataConfig):
 class RegressionTaskConfig:
     name: str = "stormcast_regression"
     residual: bool = False  # predict state(t+dt) - state(t) instead of state(t+dt)
+
+
+CONDITIONS = ("state", "background", "regression", "invariants")
+
+
+@dataclass
+class EDMConfig:
+    sigma_data: list[float] = field(default_factory=lambda: [0.5])  # one value, or one per channel
+    sigma_distribution: str = "lognormal"  # lognormal (EDM) | loguniform
+    p_mean: float = -1.2
+    p_std: float = 1.2
+    sigma_min: float = 0.002  # log-uniform range
+    sigma_max: float = 800.0
+
+    def __post_init__(self):
+        one_of(self, "sigma_distribution", ("lognormal", "loguniform"))
+        if not self.sigma_data or min(self.sigma_data) <= 0:
+            raise Invalid("sigma_data", f"must be one or more positive values (got {list(self.sigma_data)})")
+        positive(self, "p_std")
+        if not 0 < self.sigma_min < self.sigma_max:
+            raise Invalid("sigma_min", f"need 0 < sigma_min < sigma_max (got {self.sigma_min}, {self.sigma_max})")
+
+
+@dataclass
+class SamplerConfig:
+    num_steps: int = 18
+    sigma_min: float = 0.002
+    sigma_max: float = 800.0
+    rho: float = 7.0
+    s_churn: float = 0.0  # > 0: stochastic sampling
+    s_min: float = 0.0
+    s_max: float = math.inf
+    s_noise: float = 1.0
+
+    def __post_init__(self):
+        positive(self, "num_steps", "rho")
+        non_negative(self, "s_churn")
+        if not 0 < self.sigma_min < self.sigma_max:
+            raise Invalid("sigma_min", f"need 0 < sigma_min < sigma_max (got {self.sigma_min}, {self.sigma_max})")
+
+    def kwargs(self) -> dict:
+        return dict(num_steps=self.num_steps, sigma_min=self.sigma_min, sigma_max=self.sigma_max, rho=self.rho,
+                    s_churn=self.s_churn, s_min=self.s_min, s_max=self.s_max, s_noise=self.s_noise)
+
+
+@dataclass
+class DiffusionTaskConfig:
+    """EDM diffusion on [conditions] -> state(t+dt) (or its residual over the regression stage)."""
+
+    name: str = "stormcast_diffusion"
+    # Stacked along channels after the noisy latent, in this order. StormCast's hybrid:
+    # [state, regression, invariants]; nowcasting without background: [state, invariants];
+    # downscaling: [background, invariants].
+    conditions: list[str] = field(default_factory=lambda: ["state", "regression", "invariants"])
+    residual: bool = True  # learn state(t+dt) minus the regression output
+    regression: str | None = None  # exported weights, checkpoint or run dir of the regression stage
+    edm: EDMConfig = field(default_factory=EDMConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    val_members: int = 4  # ensemble size at validation (CRPS, spread/skill)
+    plot_channels: list[str] = field(default_factory=list)  # figures and spectra; default: the first
+
+    def __post_init__(self):
+        bad = [c for c in self.conditions if c not in CONDITIONS]
+        if bad:
+            raise Invalid("conditions", f"unknown condition {bad[0]!r}; valid: {', '.join(CONDITIONS)}")
+        if len(set(self.conditions)) != len(self.conditions):
+            raise Invalid("conditions", f"lists a condition twice: {list(self.conditions)}")
+        if self.val_members < 2:
+            raise Invalid("val_members", f"must be >= 2 for spread and CRPS (got {self.val_members})")
+        if self.needs_regression and not self.regression:
+            why = "residual=true" if self.residual else "conditions include 'regression'"
+            raise Invalid("regression", f"{why} needs the regression stage's weights: set task.regression="
+                          "<exported .pt | checkpoint dir | run dir>")
+
+    @property
+    def needs_regression(self) -> bool:
+        return self.residual or "regression" in self.conditions

@@ -12,7 +12,7 @@ from framework.domain import splitter
 from framework.domain.comm import DomainGroup
 from framework.domain.layers import GroupNormMixin, HaloMixin, RowSliceMixin, gathered_attention
 from framework.errors import ConfigError
-from recipes.stormcast import layers
+from recipes.stormcast import edm, layers
 
 
 def _conv(m: layers.Conv2d, dg: DomainGroup) -> None:
@@ -65,4 +65,4 @@ splitter.register(layers.Attention, _attention)
 splitter.register(layers.GroupNorm, _group_norm)
 splitter.register(layers.AdditivePosEmbed, _pos_embed)
 splitter.register(layers.UNetBlock, _unet_block)  # its own ops are pointwise; its children split
-splitter.register_local(layers.Linear, layers.PositionalEmbedding)
+splitter.register_local(layers.Linear, layers.PositionalEmbedding, edm.EDMPrecond)  # pointwise

@@ -46,14 +46,15 @@ def radial_spectrum(field: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return k[keep], spectrum[keep]
 
 
-def spectra_figure(path: Path, channel: str, truth: np.ndarray, pred: np.ndarray, title: str) -> Path:
+def spectra_figure(path: Path, channel: str, fields: dict[str, np.ndarray], title: str) -> Path:
+    """Radially averaged power spectra of named fields (truth, prediction, members...) on one plot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.5, 3.6), constrained_layout=True)
-    for data, name in ((truth, "truth"), (pred, "prediction")):
+    for name, data in fields.items():
         k, p = radial_spectrum(data)
         ax.loglog(k, np.maximum(p, 1e-30), label=name)
     ax.set_xlabel("wavenumber")

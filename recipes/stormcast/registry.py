@@ -1,8 +1,9 @@
 """Registry entries of the StormCast recipe: its model, datasets and tasks."""
 
 from framework import registry
-from recipes.stormcast.config import (HrrrEra5DataConfig, RegressionTaskConfig, SongUNetConfig,
-                                      SyntheticDataConfig)
+from recipes.stormcast.config import (DiffusionTaskConfig, HrrrEra5DataConfig, RegressionTaskConfig,
+                                      SongUNetConfig, SyntheticDataConfig)
+from recipes.stormcast.diffusion import DiffusionTask
 from recipes.stormcast import parallelize  # noqa: F401  (domain rules of the SongUNet layers)
 from recipes.stormcast.task import RegressionTask
 
@@ -25,6 +26,6 @@ registry.datasets.add("synthetic", SyntheticDataConfig, RegressionTask)
 registry.datasets.add("hrrr_era5", HrrrEra5DataConfig, RegressionTask)
 
 registry.tasks.add("stormcast_regression", RegressionTaskConfig, RegressionTask)
-registry.tasks.add("stormcast_diffusion", None, pending="issue 6, StormCast diffusion stage")
+registry.tasks.add("stormcast_diffusion", DiffusionTaskConfig, DiffusionTask)
 registry.tasks.add("stormscope", None, pending="issue 8, StormScope")
 registry.models.add("dit", None, pending="issue 8, StormScope")

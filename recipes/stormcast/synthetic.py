@@ -81,11 +81,14 @@ def physical_scale(name: str) -> tuple[float, float]:
 
     Chosen from the name's prefix: ``u*``/``v*`` winds (m/s), ``t*`` temperatures
     (K), ``msl``/``sp``/``p*`` pressures (Pa), ``z*`` geopotential (m^2/s^2),
-    ``q*`` specific humidity (kg/kg), ``refc`` reflectivity (dBZ); otherwise ``(0, 1)``.
+    ``q*`` specific humidity (kg/kg), ``refc`` reflectivity (dBZ), ``abi*`` satellite
+    brightness temperatures (K, StormScope's GOES bands); otherwise ``(0, 1)``.
     """
     n = name.lower()
     if n.startswith("refc"):
         return 10.0, 8.0
+    if n.startswith("abi"):
+        return 250.0, 20.0
     if n.startswith("u"):
         return 2.0, 5.0
     if n.startswith("v"):

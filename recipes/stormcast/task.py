@@ -51,13 +51,12 @@ class RegressionTask:
     # config checks, before any heavy work -------------------------------------------------
     @staticmethod
     def check_config(run) -> None:
-        factor = 2 ** (len(run.model.channel_mult) - 1)
+        factor = run.model.downsample_factor  # the UNet's total down-sampling, the DiT's patch
         rows, cols = run.data.grid
         for axis, n in (("rows", rows), ("cols", cols)):
             if n % factor:
-                raise ConfigError(
-                    f"data.grid: {axis}={n} is not divisible by {factor}, the total down-sampling of "
-                    f"model.channel_mult={list(run.model.channel_mult)}")
+                raise ConfigError(f"data.grid: {axis}={n} is not divisible by {factor}, the "
+                                  f"{run.model.downsample_reason}")
 
     # data --------------------------------------------------------------------------------
     def _dataset(self, years):
@@ -161,7 +160,8 @@ class RegressionTask:
         title = f"{self.run.recipe}, step {step}: first validation sample"
         t, p = to_np(truth), to_np(pred)
         fields = field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name, t, p, title)
-        spectra = spectra_figure(Path(out_dir) / f"spectrum_{step:08d}_{name}.png", name, t, p, title)
+        spectra = spectra_figure(Path(out_dir) / f"spectrum_{step:08d}_{name}.png", name,
+                                 {"truth": t, "prediction": p}, title)
         return {f"fields/{name}": str(fields), f"spectra/{name}": str(spectra)}
 
     def val_summary(self, sums: dict[str, torch.Tensor]) -> dict:

@@ -12,10 +12,25 @@ GROUPS = sorted(p.name for p in Path(CONF_DIR).iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((Path(CONF_DIR) / g).glob("*.yaml"))]
 
 # Options whose feature lands with a later issue: they must fail loudly, naming it.
-PENDING = {
+PENDING = {("recipe", "stormscope"), ("model", "dit")}
+# Diffusion recipes name their regression stage: given an export made from the matching
+# regression recipe (its config is what the start-up check reads).
+REGRESSION_OF = {"stormcast_diffusion": "stormcast", "tiny_diffusion": "tiny"}
 
-    ("recipe", "stormcast_diffusion"), ("recipe", "stormscope"), ("model", "dit"),
-}
+
+def regression_export(compose, tmp_path, recipe: str) -> Path:
+    import json
+
+    from omegaconf import OmegaConf
+
+    from framework.export import model_config
+
+    cfg = compose([f"recipe={recipe}", f"data.root={tmp_path}"])
+    side = model_config(OmegaConf.to_container(cfg, resolve=True))
+    out = tmp_path / f"{recipe}_regression.pt"
+    out.with_suffix(".json").write_text(json.dumps(side))
+    out.write_bytes(b"")
+    return out
 
 
 def test_groups_of_the_design_exist():
@@ -29,8 +44,10 @@ def test_option_composes(compose, tmp_path, group, option):
     overrides = [f"{group}={option}"]
     if group == "data" and option == "hrrr_era5" or group == "recipe" and option.startswith("stormcast"):
         overrides.append(f"data.root={tmp_path}")  # must exist
-    if group == "model" and option == "songunet_stormcast":
+    if group == "model" and option.startswith("songunet_stormcast"):
         overrides.append("data.grid=[64,64]")  # 4 down-samplings
+    if group == "recipe" and option in REGRESSION_OF:
+        overrides.append(f"task.regression={regression_export(compose, tmp_path, REGRESSION_OF[option])}")
     cfg = compose(overrides)
     if (group, option) in PENDING:
         with pytest.raises(ConfigError, match="not available yet"):
@@ -54,6 +71,24 @@ def test_stormcast_recipe_is_paper_size(compose, tmp_path):
     assert len(run.data.hrrr_channels) == 99 and len(run.data.era5_channels) == 26
     assert len(run.data.invariants) == 2
     assert list(run.model.channel_mult) == [1, 2, 2, 2, 2] and run.model.model_channels == 128
+
+
+def test_stormcast_diffusion_recipe_is_paper_size(compose, tmp_path):
+    """The paper's diffusion net: 99 + 99 + 99 + 2 channels in, 99 out, ~121 M parameters."""
+    from recipes.stormcast.diffusion import DiffusionTask
+
+    reg = regression_export(compose, tmp_path, "stormcast")
+    run = validate(compose(["recipe=stormcast_diffusion", f"data.root={tmp_path}", f"task.regression={reg}"]))
+    assert list(run.task.conditions) == ["state", "regression", "invariants"] and run.task.residual
+    assert run.model.embedding_type == "positional" and run.model.additive_pos_embed
+    task = DiffusionTask(run, env=None, device="cpu")
+    import torch
+
+    with torch.device("meta"):
+        model = task.build_model()
+    assert model.net.in_channels == 299 and model.net.out_channels == 99
+    n = sum(p.numel() for p in model.parameters())
+    assert 118e6 < n < 124e6, n
 
 
 def test_command_line_beats_recipe(compose):

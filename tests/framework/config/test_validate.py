@@ -30,7 +30,7 @@ CASES = [
     (["checkpoint.exclude=[weights]"], r"^checkpoint\.exclude: unknown part"),
     (["parallel.domain=0"], r"^parallel\.domain: must be > 0 or -1"),
     (["parallel.dp_shard=-1", "parallel.domain=-1"], r"^parallel\.domain: only one of"),
-    (["recipe=stormcast_diffusion", "data.root=."], r"task 'stormcast_diffusion' is not available yet \(issue 6"),
+    (["recipe=stormcast_diffusion", "data.root=."], r"^task.regression: residual=true needs the regression stage"),
 ]
 
 

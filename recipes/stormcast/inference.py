@@ -1,0 +1,255 @@
+"""Roll a trained StormCast out autoregressively: a zarr forecast store plus PNG frames.
+
+    python -m recipes.stormcast.inference --diffusion outputs/diff_run --data-root data/hrrr \\
+        --start 2021-06-01T00 --hours 12 --members 4 --out forecast.zarr
+
+Each hour the regression stage maps [state, ERA5 background, invariants] to its mean
+forecast, and the diffusion stage samples the residual (EDM Heun sampler) for every
+member; the members then continue from their own states. Either stage may be given
+alone: regression only (one deterministic member), or diffusion only for a model trained
+without the regression stage (StormScope-style conditions). Models are exported weights
+(``python -m framework.export``), checkpoint directories or run directories.
+
+The store holds ``forecast`` (member, time, channel, y, x) and, where the data has the
+hours, ``truth`` (time, channel, y, x), both in physical units, with ``time`` (hours
+since 1970-01-01 UTC) and the channel names in the attributes. It is written under
+``<out>.partial`` and renamed when complete. Bad input ends with one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from framework.errors import ConfigError, DataError, FrameworkError
+
+_EPOCH = dt.datetime(1970, 1, 1)
+
+
+def parse_time(text: str) -> int:
+    """Hours since 1970-01-01 UTC from ``YYYY-MM-DDTHH`` (or an ISO time on the hour)."""
+    try:
+        t = dt.datetime.fromisoformat(text if len(text) > 13 else text + ":00")
+    except ValueError:
+        raise ConfigError(f"--start: {text!r} is not a time like 2021-06-01T00") from None
+    if t.minute or t.second:
+        raise ConfigError(f"--start: {text!r} is not on the hour")
+    return int((t.replace(tzinfo=None) - _EPOCH).total_seconds() // 3600)
+
+
+def format_time(hours: int) -> str:
+    return (_EPOCH + dt.timedelta(hours=int(hours))).strftime("%Y-%m-%dT%H")
+
+
+class Forecaster:
+    """One autoregressive hour for a batch of members, in normalized units."""
+
+    def __init__(self, regression, diffusion, device, *, precision="fp32", seed=0, sampler=None):
+        from recipes.stormcast import weights
+
+        self.device, self.seed = device, seed
+        self.reg = self.reg_info = self.diff = self.diff_info = None
+        if diffusion is not None:
+            self.diff, self.diff_info = weights.load(diffusion, device)
+            task = self.diff_info.task
+            self.conditions, self.residual = list(task["conditions"]), bool(task.get("residual"))
+            self.sampler = {**task["sampler"], **(sampler or {})}
+            needs_reg = self.residual or "regression" in self.conditions
+            if needs_reg and regression is None:
+                regression = task.get("regression")
+                if not regression:
+                    raise ConfigError("--regression: the diffusion model needs its regression stage")
+            if not needs_reg:
+                regression = None
+        if regression is not None:
+            self.reg, self.reg_info = weights.load(regression, device)
+            if self.reg_info.task.get("name") != "stormcast_regression":
+                raise ConfigError(f"--regression: {regression} holds a {self.reg_info.task.get('name')!r} model")
+        if self.reg is None and self.diff is None:
+            raise ConfigError("give --diffusion, --regression or both")
+        if self.reg is not None and self.diff is not None:
+            a, b = self.reg_info, self.diff_info
+            if a.channels != b.channels or a.grid != b.grid:
+                raise ConfigError(f"--regression {a.path} and --diffusion {b.path} were trained on different "
+                                  f"channels or grids")
+        self.info = self.diff_info or self.reg_info
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+                         else contextlib.nullcontext())
+
+    @torch.no_grad()
+    def step(self, state, background, invariants, lead: int) -> torch.Tensor:
+        from framework.domain import draws
+        from recipes.stormcast import edm
+
+        reg = None
+        with self.autocast:
+            if self.reg is not None:
+                out = self.reg(torch.cat([state, background, invariants], dim=1)).float()
+                reg = state + out if self.reg_info.task.get("residual") else out
+            if self.diff is None:
+                return reg
+            parts = {"state": state, "background": background, "invariants": invariants, "regression": reg}
+            cond = torch.cat([parts[c] for c in self.conditions], dim=1) if self.conditions else None
+            keys = [(self.seed, lead, m) for m in range(state.shape[0])]
+            noise = lambda k: draws.field_normal(k, state.shape[1:], device=state.device)  # noqa: E731
+            kw = {k: self.sampler[k] for k in ("num_steps", "sigma_min", "sigma_max", "rho", "s_churn", "s_min",
+                                               "s_max", "s_noise")}
+            sample = edm.heun_sample(lambda x, s: self.diff(x, s, cond), noise(keys),
+                                     noise=lambda i: noise([(*k, i) for k in keys]), **kw).float()
+        return reg + sample if self.residual else sample
+
+
+def _dataset(root, info, start: int, hours: int):
+    from recipes.stormcast.dataset import HrrrEra5Dataset
+
+    first, last = (_EPOCH + dt.timedelta(hours=start)).year, (_EPOCH + dt.timedelta(hours=start + hours)).year
+    ch = info.channels
+    ds = HrrrEra5Dataset(root, list(range(first, last + 1)), ch["hrrr_channels"], ch["era5_channels"],
+                         ch["invariants"], dt=1)
+    if list(ds.grid) != list(info.grid):
+        raise ConfigError(f"--data-root: stores hold grid {list(ds.grid)} but the model was trained on {info.grid}")
+    return ds
+
+
+def _samples(ds, start: int, hours: int) -> list[int]:
+    """Sample index of each hour start .. start+hours-1 (its background and truth are an hour on)."""
+    by_time = {ds.sample_times(i)[0]: i for i in range(len(ds))}
+    out = []
+    for k in range(hours):
+        t = start + k
+        if t not in by_time:
+            raise DataError(f"--data-root: no sample (state, background, next state) for {format_time(t)}; "
+                            f"the rollout needs hours {format_time(start)} .. {format_time(start + hours)}")
+        out.append(by_time[t])
+    return out
+
+
+class ForecastStore:
+    """The zarr store, written under ``<out>.partial`` and renamed when complete."""
+
+    def __init__(self, out: Path, *, members: int, hours: int, channels: list[str], grid, times, meta: dict,
+                 overwrite: bool):
+        import zarr
+
+        self.out, self.tmp = Path(out), Path(str(out) + ".partial")
+        if self.out.exists() and not overwrite:
+            raise ConfigError(f"--out: {self.out} exists (add --overwrite to replace it)")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        h, w = grid
+        attrs = {"channels": list(channels), "time_units": "hours since 1970-01-01 00:00:00 UTC",
+                 "times": [format_time(t) for t in times], **meta}
+        self.group = zarr.create_group(str(self.tmp), attributes=attrs)
+        common = dict(dtype="float32", compressors=None, fill_value=float("nan"))
+        self.forecast = self.group.create_array("forecast", shape=(members, hours, len(channels), h, w),
+                                                chunks=(1, 1, 1, h, w),
+                                                dimension_names=("member", "time", "channel", "y", "x"), **common)
+        self.truth = self.group.create_array("truth", shape=(hours, len(channels), h, w), chunks=(1, 1, h, w),
+                                             dimension_names=("time", "channel", "y", "x"), **common)
+        tarr = self.group.create_array("time", shape=(hours,), dtype="int64", chunks=(hours,), compressors=None,
+                                       fill_value=0, dimension_names=("time",),
+                                       attributes={"units": attrs["time_units"]})
+        tarr[...] = np.asarray(times, dtype=np.int64)
+
+    def close(self) -> None:
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.replace(self.tmp, self.out)
+
+
+def rollout(args) -> Path:
+    from tqdm import tqdm
+
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    sampler = {"num_steps": args.steps} if args.steps else None
+    fc = Forecaster(args.regression, args.diffusion, device, precision=args.precision, seed=args.seed,
+                    sampler=sampler)
+    members = args.members
+    if fc.diff is None and members != 1:
+        raise ConfigError(f"--members {members}: a regression-only rollout is deterministic; give --diffusion")
+    info = fc.info
+    names = list(info.channels["hrrr_channels"])
+    plot = args.plot_channels if args.plot_channels is not None else names[:1]
+    bad = [c for c in plot if c not in names]
+    if bad:
+        raise ConfigError(f"--plot-channels: {bad[0]!r} is not one of the model's channels {names}")
+    start = parse_time(args.start)
+    ds = _dataset(args.data_root, info, start, args.hours)
+    idx = _samples(ds, start, args.hours)
+    times = [start + k + 1 for k in range(args.hours)]
+    mean = torch.as_tensor(ds.hrrr_means, dtype=torch.float32)[:, None, None]
+    std = torch.as_tensor(ds.hrrr_stds, dtype=torch.float32)[:, None, None]
+    meta = {"start": format_time(start), "members": members, "regression": str(fc.reg_info.path) if fc.reg else None,
+            "diffusion": str(fc.diff_info.path) if fc.diff else None, "seed": args.seed}
+    store = ForecastStore(args.out, members=members, hours=args.hours, channels=names, grid=info.grid, times=times,
+                          meta=meta, overwrite=args.overwrite)
+    frames = Path(args.frames) if args.frames else Path(str(args.out) + ".frames")
+    first = ds.read(idx[0])
+    state = first["state"][None].to(device).repeat(members, 1, 1, 1)
+    invariants = first["invariants"][None].to(device).repeat(members, 1, 1, 1)
+    bar = tqdm(range(args.hours), desc="rollout", unit="h", disable=not args.progress)
+    for k in bar:
+        sample = ds.read(idx[k])
+        background = sample["background"][None].to(device).repeat(members, 1, 1, 1)
+        state = fc.step(state, background, invariants, lead=k + 1)
+        phys = (state.cpu() * std + mean).numpy()
+        truth = (sample["target"] * std + mean).numpy()
+        store.forecast[:, k] = phys
+        store.truth[k] = truth
+        for c in plot:
+            _frame(frames, c, names.index(c), times[k], k + 1, truth, phys)
+        bar.set_postfix(valid=format_time(times[k]))
+    store.close()
+    return Path(args.out)
+
+
+def _frame(frames: Path, name: str, c: int, time: int, lead: int, truth, phys) -> None:
+    from recipes.stormcast.plots import field_figure
+
+    title = f"{name}, +{lead} h, valid {format_time(time)} (member 0 of {phys.shape[0]})"
+    field_figure(frames / f"{name}_{lead:03d}.png", name, truth[c], phys[0, c], title)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m recipes.stormcast.inference", description=__doc__.split("\n")[0])
+    ap.add_argument("--diffusion", type=Path, help="the diffusion model: exported .pt, checkpoint or run dir")
+    ap.add_argument("--regression", type=Path,
+                    help="the regression model (default: the one the diffusion model was trained on)")
+    ap.add_argument("--data-root", required=True, help="the HRRR/ERA5 zarr stores (initial state, background)")
+    ap.add_argument("--start", required=True, help="initial time, e.g. 2021-06-01T00")
+    ap.add_argument("--hours", type=int, default=6, help="hours to roll out (default 6)")
+    ap.add_argument("--members", type=int, default=1, help="ensemble members (diffusion only; default 1)")
+    ap.add_argument("--out", type=Path, required=True, help="the zarr store to write")
+    ap.add_argument("--frames", help="folder of PNG frames (default: <out>.frames)")
+    ap.add_argument("--plot-channels", nargs="*", help="channels drawn as frames (default: the first)")
+    ap.add_argument("--steps", type=int, help="sampler steps (default: the training config's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    args = ap.parse_args(argv)
+    for key in ("hours", "members", "steps"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            print(f"error: --{key} must be >= 1 (got {value})", file=sys.stderr)
+            return 2
+    try:
+        out = rollout(args)
+    except FrameworkError as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        return e.exit_code
+    print(f"wrote {out} ({args.members} member(s) x {args.hours} h)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
