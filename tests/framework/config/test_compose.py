@@ -42,7 +42,7 @@ def test_groups_of_the_design_exist():
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes(compose, tmp_path, group, option):
     overrides = [f"{group}={option}"]
-    if group == "data" and option == "hrrr_era5" or group == "recipe" and option.startswith("stormcast"):
+    if group == "data" and option != "synthetic" or group == "recipe" and option.startswith(("stormcast", "stormscope")):
         overrides.append(f"data.root={tmp_path}")  # must exist
     if group == "model" and option.startswith("songunet_stormcast"):
         overrides.append("data.grid=[64,64]")  # 4 down-samplings
