@@ -1,5 +1,14 @@
 """Data-parallel scaling at the StormCast paper size: none / ddp / fsdp2 on 1 and 2+ GPUs.
 
+``--model songunet`` (default) is StormCast's regression network (127 -> 99 channels);
+``--model dit`` is the StormScope preset DiT (16 x 768, 16 heads, patch 4, 31x31
+neighbourhood attention; 28 -> 9 channels: 9 noisy + 9 state + 8 background + 2
+invariants in). MFU: model FLOPs per sample over the device's bf16 peak. SongUNet: counted
+with FlopCounterMode on one step. DiT: FlopCounterMode cannot see inside flex_attention
+(and would count the masked work of other kernels), so its model FLOPs are written out:
+2 x tokens x the weights of its per-token layers, plus 4 x k^2 x hidden per token and
+block for the neighbourhood attention, all x3 for forward + backward.
+
 Runs the framework's own pieces (registry model builder, mesh, sharding policy,
 precision policy, Trainer.train_step) on in-memory batches, so the data loader is not
 what is measured. One configuration per launch; the driver launches them side by side
@@ -26,6 +35,38 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 PAPER = dict(model_channels=128, channel_mult=[1, 2, 2, 2, 2], num_blocks=4, attn_resolutions=[])
+DIT_IO = (28, 9)
+
+
+def build_model(args):
+    from framework import registry
+
+    if args.model == "dit":
+        from recipes.stormscope.config import DiTConfig
+
+        cfg = DiTConfig(attn_impl=args.attn_impl)
+        return registry.models.build("dit", cfg, in_channels=DIT_IO[0], out_channels=DIT_IO[1],
+                                     img_resolution=(args.height, args.width)), DIT_IO
+    from recipes.stormcast.config import SongUNetConfig
+
+    return registry.models.build("songunet", SongUNetConfig(**PAPER), in_channels=127, out_channels=99,
+                                 img_resolution=(args.height, args.width)), (127, 99)
+
+
+def dit_flops(model, height: int, width: int) -> float:
+    """Model FLOPs (forward + backward) of the DiT for one sample."""
+    p, attn = model.patch_size, model.blocks[0].attn
+    tokens = (height // p) * (width // p)
+    keys = min(attn.kernel, height // p) * min(attn.kernel, width // p)
+    hidden = attn.head_dim * attn.num_heads
+    per_token = model.patch_embed.proj.weight.numel() + model.final.linear.weight.numel()
+    for blk in model.blocks:
+        per_token += sum(lin.weight.numel() for lin in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2))
+    return 3 * tokens * (2 * per_token + 4 * keys * hidden * len(model.blocks))
+
+
+def _forward(model, x, dit: bool):
+    return model(x, x.new_zeros(x.shape[0])) if dit else model(x)  # the DiT also takes the noise level
 
 
 def _local_bytes(tensors) -> int:
@@ -45,8 +86,6 @@ def worker(args) -> None:
     from framework.config.schema import ParallelConfig, PrecisionConfig, ShardingConfig, TrainerConfig
     from framework.distributed import env as dist_env, mesh, precision as precision_mod
     from framework.train.trainer import Trainer
-    from recipes.stormcast.config import SongUNetConfig
-
     registry.load_providers()
     env = dist_env.detect()
     device = dist_env.pick_device(args.device, env)
@@ -57,15 +96,17 @@ def worker(args) -> None:
         prec = precision_mod.build(PrecisionConfig(name=args.precision), device)
         prec.apply_backend_flags()
         torch.manual_seed(0)
-        model = registry.models.build("songunet", SongUNetConfig(**PAPER), in_channels=127, out_channels=99,
-                                      img_resolution=(args.height, args.width)).to(device)
+        model, io = build_model(args)
+        model = model.to(device)
+        plain = model
         rows, weight = args.height, 1.0
         if args.domain > 1:  # split every sample's rows over the domain ranks
             from framework.domain.comm import DomainGroup
             from framework.domain.shard_tensor import split_extents
             from framework.domain.splitter import split
 
-            extents = split_extents(args.height, args.domain, model.downsample_factor)
+            factor = getattr(model, "downsample_factor", getattr(model, "patch_size", 1))
+            extents = split_extents(args.height, args.domain, factor)
             dg = DomainGroup(topo.group("domain"), extents)
             model = split(model, dg)
             rows, weight = extents[dg.rank], args.domain * extents[dg.rank] / args.height
@@ -84,14 +125,21 @@ def worker(args) -> None:
         class Task:  # the regression loss on in-memory tensors
             @staticmethod
             def loss(m, batch):
-                return torch.nn.functional.mse_loss(m(batch["x"]).float(), batch["y"]) * weight
+                return torch.nn.functional.mse_loss(_forward(m, batch["x"], args.model == "dit").float(), batch["y"]) * weight
 
         t = Trainer(cfg=TrainerConfig(), run=None, env=env, device=device, task=Task(), model=model,
                     optimizer=opt, scheduler=sched, precision=prec, checkpoint=None, sinks=[],
                     run_dir=Path("."), dp_rank=topo.dp_rank, dp_size=topo.dp_size)
         b = args.batch_per_gpu
-        batch = {"x": torch.randn(b, 127, rows, args.width, device=device),
-                 "y": torch.randn(b, 99, rows, args.width, device=device)}
+        batch = {"x": torch.randn(b, io[0], rows, args.width, device=device),
+                 "y": torch.randn(b, io[1], rows, args.width, device=device)}
+        from framework.train import metrics
+
+        if args.model == "dit":
+            flops = dit_flops(plain, args.height, args.width)
+        else:
+            _, flops = metrics.count_flops(lambda: t.train_step(batch))  # this rank's share of one step
+            flops = flops * env.world_size / (b * topo.dp_size)  # per sample, all ranks
         for _ in range(args.warmup):
             t.train_step(batch)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -106,7 +154,11 @@ def worker(args) -> None:
         params = list(model.parameters())
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         # gradients are freed by zero_grad(set_to_none); their size equals the parameters'
+        peak = metrics.peak_tflops(device, args.precision)
+        sps = b * topo.dp_size / dt
         result = {
+            "model": args.model, "tflop_per_sample": flops / 1e12, "tflops": flops * sps / 1e12,
+            "mfu": flops * sps / 1e12 / (peak * env.world_size) if peak else None,
             "sharding": args.sharding, "gpus": env.world_size, "precision": args.precision,
             "compile": args.compile, "batch_per_gpu": b, "grid": [args.height, args.width],
             "domain": args.domain, "step_s": dt, "samples_per_s": b * topo.dp_size / dt,
@@ -123,7 +175,7 @@ def launch(sharding: str, gpus: int, args, domain: int = 1) -> dict:
            str(Path(__file__).resolve()), "--worker", "--sharding", sharding, "--precision", args.precision,
            "--batch-per-gpu", str(args.batch_per_gpu), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--height", str(args.height), "--width", str(args.width), "--domain", str(domain),
-           "--device", args.device] + \
+           "--device", args.device, "--model", args.model, "--attn-impl", args.attn_impl] + \
         (["--compile"] if args.compile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     for line in proc.stdout.splitlines():
@@ -132,6 +184,10 @@ def launch(sharding: str, gpus: int, args, domain: int = 1) -> dict:
     err = proc.stderr.splitlines()
     start = next((i for i, ln in enumerate(err) if ln.startswith("Traceback")), max(0, len(err) - 15))
     raise SystemExit(f"{sharding} on {gpus} GPU(s) failed:\n" + "\n".join(err[start:start + 40]))
+
+
+def _pct(x) -> str:
+    return f"{100 * x:.1f}%" if x is not None else "-"
 
 
 def main(argv=None) -> None:
@@ -151,6 +207,8 @@ def main(argv=None) -> None:
     ap.add_argument("--mode", choices=["dp", "domain"], default="dp",
                     help="dp: none/ddp/fsdp2 scaling; domain: one sample split over the GPUs")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--model", choices=["songunet", "dit"], default="songunet")
+    ap.add_argument("--attn-impl", default="auto", help="dit: auto | flex | reference")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -160,11 +218,14 @@ def main(argv=None) -> None:
     if args.gpus > 1:
         runs += [launch("ddp", args.gpus, args), launch("fsdp2", args.gpus, args)]
     base = runs[0]
+    print(f"{args.model}, {args.height}x{args.width}, batch {args.batch_per_gpu}/GPU, {args.precision}, "
+          f"{base['tflop_per_sample']:.2f} TFLOP/sample")
     print(f"{'layout':>8} {'gpus':>4} {'samples/s':>10} {'/GPU':>7} {'xbase':>6} {'peak GiB/GPU':>12} "
-          f"{'p+g+opt GiB/GPU':>15}")
+          f"{'p+g+opt GiB/GPU':>15} {'MFU':>6}")
     for r in runs:
         print(f"{r['sharding']:>8} {r['gpus']:>4} {r['samples_per_s']:>10.2f} {r['samples_per_s_per_gpu']:>7.2f} "
-              f"{r['samples_per_s'] / base['samples_per_s']:>6.2f} {r['peak_mem_gib']:>12.1f} {r['state_gib']:>15.3f}")
+              f"{r['samples_per_s'] / base['samples_per_s']:>6.2f} {r['peak_mem_gib']:>12.1f} {r['state_gib']:>15.3f} "
+              f"{_pct(r['mfu']):>6}")
     if args.gpus > 1:
         ddp, fsdp = runs[2], runs[3]
         print(f"fsdp2 x{args.gpus} throughput / none x1: {fsdp['samples_per_s'] / base['samples_per_s']:.2f} "
@@ -180,12 +241,13 @@ def domain_table(args) -> None:
     runs = [launch("none", 1, args), launch("fsdp2", args.gpus, args, domain=args.gpus),
             launch("ddp", args.gpus, args, domain=args.gpus)]
     base = runs[0]
-    print(f"grid {args.height}x{args.width}, batch {args.batch_per_gpu}, {args.precision}")
-    print(f"{'layout':>14} {'gpus':>4} {'s/step':>8} {'speed-up':>9} {'peak GiB/GPU':>12} {'x mem':>6}")
+    print(f"{args.model}, grid {args.height}x{args.width}, batch {args.batch_per_gpu}, {args.precision}")
+    print(f"{'layout':>14} {'gpus':>4} {'s/step':>8} {'speed-up':>9} {'peak GiB/GPU':>12} {'x mem':>6} {'MFU':>6}")
     for r in runs:
         name = f"{r['sharding']}+domain{r['domain']}" if r["domain"] > 1 else r["sharding"]
         print(f"{name:>14} {r['gpus']:>4} {r['step_s']:>8.3f} {base['step_s'] / r['step_s']:>9.2f} "
-              f"{r['peak_mem_gib']:>12.1f} {r['peak_mem_gib'] / max(base['peak_mem_gib'], 1e-9):>6.2f}")
+              f"{r['peak_mem_gib']:>12.1f} {r['peak_mem_gib'] / max(base['peak_mem_gib'], 1e-9):>6.2f} "
+              f"{_pct(r['mfu']):>6}")
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))
 

@@ -26,6 +26,7 @@ _PROVIDERS = (
     "framework.train.schedule",
     "framework.train.trainer",
     "recipes.stormcast.registry",
+    "recipes.stormscope.registry",
 )
 
 

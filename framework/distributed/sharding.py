@@ -51,8 +51,9 @@ def ddp(model: nn.Module, cfg: ShardingConfig, *, topology, device, **_) -> Shar
 def find_units(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]]:
     """FSDP units: modules of the named classes, or by default the repeated composite blocks.
 
-    "Repeated composite" = a class with child modules that occurs at least twice (a UNet
-    block, a transformer block); units nested inside another unit are left to it.
+    "Repeated composite" = a model class with child modules that occurs at least twice (a
+    UNet block, a transformer block; not torch's generic containers such as nn.Sequential);
+    units nested inside another unit are left to it.
     """
     modules = list(model.named_modules())[1:]
     if names:
@@ -61,8 +62,9 @@ def find_units(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]
             raise ConfigError(f"sharding.units: no module of class {sorted(unknown)} in the model")
         wanted = set(names)
     else:
+        containers = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
         counts = Counter(type(m).__name__ for _, m in modules
-                         if any(True for _ in m.children()) and not isinstance(m, (nn.ModuleDict, nn.ModuleList)))
+                         if any(True for _ in m.children()) and not isinstance(m, containers))
         wanted = {n for n, c in counts.items() if c >= 2}
     picked: list[tuple[str, nn.Module]] = []
     for name, m in modules:

@@ -2,7 +2,10 @@
 
 Recipes register, per layer class, how it splits (``register``) or that it is
 pointwise and needs nothing (``register_local``). Every module with parameters or a
-known spatial torch type must be covered; anything else is refused by name.
+known spatial torch type must be covered; anything else is refused by name. A rule
+registered with ``handles_children=True`` answers for the module's whole subtree: its
+descendants are neither converted nor checked (e.g. a patch embedding whose strided
+conv is local on bands of whole patches, though a strided conv in general is not).
 """
 
 from __future__ import annotations
@@ -16,14 +19,25 @@ from framework.domain.layers import GroupNormMixin, HaloMixin
 from framework.errors import ConfigError
 
 _RULES: dict[type, Callable[[nn.Module, DomainGroup], None]] = {}
+_HANDLES_CHILDREN: set[type] = set()  # rules that answer for their module's whole subtree
 _LOCAL: set[type] = {nn.Linear, nn.SiLU, nn.ReLU, nn.GELU, nn.Identity, nn.Dropout}
 # Spatial torch layers without a rule: their result would silently differ when split.
 _SPATIAL = (nn.ConvTranspose2d, nn.BatchNorm2d, nn.InstanceNorm2d, nn.LayerNorm, nn.Upsample, nn.MaxPool2d,
             nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MultiheadAttention, nn.Dropout2d)
 
 
-def register(cls: type, convert: Callable[[nn.Module, DomainGroup], None]) -> None:
+def register(cls: type, convert: Callable[[nn.Module, DomainGroup], None], *,
+             handles_children: bool = False) -> None:
+    """``convert(module, dg)`` splits modules of exactly ``cls`` (or raises ConfigError).
+
+    ``handles_children``: the rule answers for the module's descendants too; the splitter
+    then neither converts nor checks them.
+    """
     _RULES[cls] = convert
+    if handles_children:
+        _HANDLES_CHILDREN.add(cls)
+    else:
+        _HANDLES_CHILDREN.discard(cls)
 
 
 def register_local(*classes: type) -> None:
@@ -53,17 +67,31 @@ def _torch_group_norm(m: nn.GroupNorm, dg: DomainGroup) -> None:
     swap_class(m, GroupNormMixin, dg)
 
 
+def _torch_layer_norm(m: nn.LayerNorm, dg: DomainGroup) -> None:
+    # Over the last dim only it is per row: rows are never the last dim (dim 2 of (B, C, H, W),
+    # dim 1 of a (B, H, W, D) token grid). Over more dims it may span rows.
+    if len(m.normalized_shape) != 1:
+        raise ConfigError(f"splitter: nn.LayerNorm over {tuple(m.normalized_shape)} cannot be split over rows "
+                          "(supported: normalisation over the last dim only)")
+
+
 register(nn.Conv2d, _torch_conv)
 register(nn.GroupNorm, _torch_group_norm)
+register(nn.LayerNorm, _torch_layer_norm)
 
 
 def split(model: nn.Module, dg: DomainGroup) -> nn.Module:
     """Convert ``model`` in place; raises ConfigError naming the first module it cannot split."""
     plan = []
+    handled: list[str] = []  # name prefixes of subtrees a rule answers for
     for name, m in model.named_modules():
+        if any(name.startswith(p) for p in handled):
+            continue
         cls = type(m)
         if cls in _RULES:
             plan.append((name, m, _RULES[cls]))
+            if cls in _HANDLES_CHILDREN:
+                handled.append(f"{name}." if name else "")
         elif cls in _LOCAL:
             continue
         elif isinstance(m, _SPATIAL):

@@ -27,5 +27,3 @@ registry.datasets.add("hrrr_era5", HrrrEra5DataConfig, RegressionTask)
 
 registry.tasks.add("stormcast_regression", RegressionTaskConfig, RegressionTask)
 registry.tasks.add("stormcast_diffusion", DiffusionTaskConfig, DiffusionTask)
-registry.tasks.add("stormscope", None, pending="issue 8, StormScope")
-registry.models.add("dit", None, pending="issue 8, StormScope")

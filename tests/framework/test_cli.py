@@ -101,7 +101,9 @@ def test_grad_accumulation_matches_the_full_batch(tmp_path):
     (["trainer.max_steps=0"], r"^error: trainer\.max_steps: must be > 0"),
     (["model=nope"], r"^error: .*Could not find 'model/nope'; available:"),
     (["optim._target_=os.system"], r"^error: optim\._target_: target 'os\.system' is not allowed"),
-    (["recipe=stormscope"], r"^error: model 'dit' is not available yet"),
+    (["recipe=stormscope"], r"^error: data\.root: missing value"),
+    (["recipe=tiny_stormscope", "model.attn_kernel=4"], r"^error: model\.attn_kernel: must be odd \(got 4\)"),
+    (["recipe=tiny_stormscope", "data.grid=[33,32]"], r"^error: data\.grid: rows=33 is not divisible by 2, the patch size"),
     (["data.grid=[33,32]"], r"^error: data\.grid: rows=33 is not divisible by 2"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, args, pattern):

@@ -12,7 +12,7 @@ GROUPS = sorted(p.name for p in Path(CONF_DIR).iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((Path(CONF_DIR) / g).glob("*.yaml"))]
 
 # Options whose feature lands with a later issue: they must fail loudly, naming it.
-PENDING = {("recipe", "stormscope"), ("model", "dit")}
+PENDING: set = set()
 # Diffusion recipes name their regression stage: given an export made from the matching
 # regression recipe (its config is what the start-up check reads).
 REGRESSION_OF = {"stormcast_diffusion": "stormcast", "tiny_diffusion": "tiny"}
@@ -46,6 +46,8 @@ def test_option_composes(compose, tmp_path, group, option):
         overrides.append(f"data.root={tmp_path}")  # must exist
     if group == "model" and option.startswith("songunet_stormcast"):
         overrides.append("data.grid=[64,64]")  # 4 down-samplings
+    if group == "model" and option == "dit":
+        overrides.append("data.grid=[64,64]")  # patch 4
     if group == "recipe" and option in REGRESSION_OF:
         overrides.append(f"task.regression={regression_export(compose, tmp_path, REGRESSION_OF[option])}")
     cfg = compose(overrides)
@@ -89,6 +91,22 @@ def test_stormcast_diffusion_recipe_is_paper_size(compose, tmp_path):
     assert model.net.in_channels == 299 and model.net.out_channels == 99
     n = sum(p.numel() for p in model.parameters())
     assert 118e6 < n < 124e6, n
+
+
+def test_stormscope_recipe_is_the_preset(compose, tmp_path):
+    """StormScope's DiT: 16 x 768, 16 heads, patch 4, kernel 31; ~188 M parameters at 512x640."""
+    import torch
+
+    from recipes.stormcast.diffusion import DiffusionTask
+
+    run = validate(compose(["recipe=stormscope", f"data.root={tmp_path}"]))
+    m = run.model
+    assert (m.depth, m.hidden_size, m.num_heads, m.patch_size, m.attn_kernel) == (16, 768, 16, 4, 31)
+    assert list(run.task.conditions) == ["state", "background", "invariants"] and not run.task.residual
+    with torch.device("meta"):
+        model = DiffusionTask(run, env=None, device="cpu").build_model()
+    n = sum(p.numel() for p in model.parameters())
+    assert 185e6 < n < 191e6, n
 
 
 def test_command_line_beats_recipe(compose):

@@ -39,7 +39,7 @@ def launch(overrides: list[str], nproc: int, run_dir: Path, cwd: Path) -> subpro
     launcher = [sys.executable, "-m", "framework"] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
          "-m", "framework"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.run([*launcher, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=300)
 

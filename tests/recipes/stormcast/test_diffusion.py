@@ -32,12 +32,12 @@ def cli(args: list[str], cwd: Path, nproc: int = 1, timeout: int = 300) -> subpr
     launcher = [sys.executable, "-m", "framework"] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
          "framework"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
     return subprocess.run([*launcher, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
 
 
 def module(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", name, *args], capture_output=True, text=True, env=env, cwd=cwd,
                           timeout=300)
 

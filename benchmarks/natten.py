@@ -1,0 +1,186 @@
+"""Neighbourhood attention against dense masked attention: time per forward+backward, peak memory.
+
+Runs, side by side in one process: flex (where it has a backward on the device), the chunked
+reference, and dense SDPA with the full (HW x HW) boolean neighbourhood mask; prints each
+one's time and peak memory and their ratios to dense.
+
+    python benchmarks/natten.py --device cpu --grid 16 20 --kernel 7
+    python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16   # StormScope 512x640
+
+Peak memory is what the call adds on top of its inputs: CUDA's allocator peak, or on CPU the
+process RSS sampled every millisecond by a thread (coarse, but enough for ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from recipes.stormscope.natten import (  # noqa: E402
+    dense_neighbourhood_attention,
+    flex_neighbourhood_attention,
+    reference_neighbourhood_attention,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _rss_peak_reset() -> int:
+    """Reset the kernel's RSS high-water mark (VmHWM) and return the current RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux or not allowed: the peak then includes earlier high-water marks
+    return psutil.Process().memory_info().rss
+
+
+def _rss_peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return psutil.Process().memory_info().rss
+
+
+class PeakMemory:
+    """Peak bytes the block adds above what was in use when it started (allocator peak on CUDA,
+    RSS high-water mark on CPU; each implementation runs in its own process so CPU peaks are clean)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = _rss_peak_reset()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            self.peak = max(0, _rss_peak() - self.base)
+        return False
+
+
+def is_oom(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in msg or "can't allocate memory" in msg
+
+
+def measure(fn, q, k, v, kernel, iters, warmup):
+    """(seconds per forward+backward, peak bytes) of fn."""
+    grad = torch.randn_like(q)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        fn(q, k, v, kernel).backward(grad)
+        if q.is_cuda:
+            torch.cuda.synchronize()
+
+    mem = PeakMemory(q.device)
+    if not q.is_cuda:  # CPU: malloc keeps what the first call grew, so the peak must include warm-up
+        mem.__enter__()
+    for _ in range(warmup):  # compilation, block-mask build, allocator warm-up
+        step()
+    if q.is_cuda:  # CUDA: the allocator's exact peak, in steady state
+        mem.__enter__()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    mem.__exit__()
+    return statistics.median(times), mem.peak
+
+
+IMPLS = {"flex": flex_neighbourhood_attention, "reference": reference_neighbourhood_attention,
+         "dense": dense_neighbourhood_attention}
+
+
+def run_one(a, name) -> None:
+    """Child process: measure one implementation, print one RESULT line."""
+    device = torch.device(a.device)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(a.batch, a.heads, *a.grid, a.head_dim, device=device, dtype=DTYPES[a.dtype],
+                           requires_grad=True) for _ in range(3))
+    try:
+        t, m = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
+    except Exception as e:  # noqa: BLE001 - OOM shows up as several exception types across devices
+        if not is_oom(e):
+            raise
+        print("RESULT " + json.dumps({"oom": True}))
+        return
+    print("RESULT " + json.dumps({"s": t, "bytes": m}))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--grid", type=int, nargs=2, default=[16, 20], metavar=("ROWS", "COLS"), help="token grid")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=48)
+    p.add_argument("--kernel", type=int, default=7)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); default: torch's choice")
+    p.add_argument("--skip-dense", action="store_true", help="skip dense masked attention (O((HW)^2) memory)")
+    p.add_argument("--only", choices=sorted(IMPLS), help=argparse.SUPPRESS)  # internal: the child's job
+    a = p.parse_args(argv)
+    if a.only:
+        return run_one(a, a.only)
+
+    device = torch.device(a.device)
+    rows, cols = a.grid
+    tokens = rows * cols
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"torch {torch.__version__}, grid {rows}x{cols} = {tokens} tokens, kernel {a.kernel}, batch {a.batch}, "
+          f"heads {a.heads}, head_dim {a.head_dim}, {a.dtype}; median of {a.iters} forward+backward"
+          + ("" if device.type == "cuda" else f"; {a.threads or torch.get_num_threads()} CPU threads"))
+    print(f"keys per query: neighbourhood {min(a.kernel, rows) * min(a.kernel, cols)}, dense {tokens}")
+
+    names = ["flex", "reference"] + ([] if a.skip_dense else ["dense"])
+    if device.type != "cuda":  # torch 2.13's CPU flex has no backward, so it cannot run forward+backward
+        print("flex: skipped (no flex_attention backward on CPU)")
+        names.remove("flex")
+    results = {}
+    for name in names:  # one process each: clean peaks, and an OOM (even the kernel's) cannot take us down
+        proc = subprocess.run([sys.executable, __file__, *argv, "--only", name], capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        res = json.loads(line[7:]) if line else None
+        if res is None and proc.returncode in (-9, 137) or res and res.get("oom"):
+            print(f"{name}: out of memory")
+        elif res is None:
+            print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+        else:
+            results[name] = (res["s"], res["bytes"])
+
+    dense = results.get("dense")
+    print(f"{'impl':<10} {'ms/iter':>10} {'peak MiB':>10} {'time/dense':>11} {'mem/dense':>10}")
+    for name, (t, m) in results.items():
+        tr = f"{t / dense[0]:.3f}" if dense else "-"
+        mr = f"{m / dense[1]:.3f}" if dense and dense[1] > 0 else "-"
+        print(f"{name:<10} {t * 1e3:>10.2f} {m / 2**20:>10.1f} {tr:>11} {mr:>10}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Schemas of the StormScope recipe's config nodes (the DiT model, the diffusion task)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from framework.config.schema import Invalid, non_negative, one_of, positive
+from recipes.stormcast.config import DiffusionTaskConfig
+
+
+@dataclass
+class DiTConfig:
+    name: str = "dit"
+    patch_size: int = 4
+    hidden_size: int = 768
+    depth: int = 16
+    num_heads: int = 16
+    mlp_ratio: float = 4.0
+    attn_kernel: int = 31  # odd: a (kernel x kernel) patch neighbourhood per token
+    pos_embed: str = "learned"  # learned (additive table) | rope (2-D rotary) | none
+    num_scalar_conditions: int = 0
+    mask_token: bool = False
+    checkpoint_blocks: bool = False
+    attn_impl: str = "auto"  # auto | flex | reference
+
+    def __post_init__(self):
+        positive(self, "patch_size", "hidden_size", "depth", "num_heads", "attn_kernel")
+        non_negative(self, "num_scalar_conditions")
+        one_of(self, "pos_embed", ("learned", "rope", "none"))
+        one_of(self, "attn_impl", ("auto", "flex", "reference"))
+        if self.attn_kernel % 2 == 0:
+            raise Invalid("attn_kernel", f"must be odd (got {self.attn_kernel})")
+        if self.hidden_size % self.num_heads:
+            raise Invalid("num_heads", f"must divide hidden_size={self.hidden_size} (got {self.num_heads})")
+        if self.pos_embed == "rope" and (self.hidden_size // self.num_heads) % 4:
+            raise Invalid("pos_embed", f"rope needs a head dim divisible by 4 (got {self.hidden_size // self.num_heads})")
+        if self.mlp_ratio <= 0:
+            raise Invalid("mlp_ratio", f"must be positive (got {self.mlp_ratio})")
+
+    @property
+    def downsample_factor(self) -> int:  # grid rows/cols and domain bands: whole patches
+        return self.patch_size
+
+    @property
+    def downsample_reason(self) -> str:
+        return f"patch size model.patch_size={self.patch_size}"
+
+
+@dataclass
+class StormScopeTaskConfig(DiffusionTaskConfig):
+    """Diffusion only: [state, background, invariants] -> the next state (no regression stage)."""
+
+    name: str = "stormscope"
+    conditions: list[str] = field(default_factory=lambda: ["state", "background", "invariants"])
+    residual: bool = False

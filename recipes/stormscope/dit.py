@@ -1,0 +1,282 @@
+"""StormScope's diffusion transformer (DiT with adaLN-zero) and 2-D neighbourhood attention.
+
+Plain PyTorch: parallelism is applied to the finished model from outside. Two choices make
+that easy. Tokens stay a 2-D grid ``(B, Hp, Wp, D)`` end to end, so a band of patch rows is
+a natural domain shard; and every piece is its own small module class, so a domain splitter
+can swap classes by type. Everything that depends on *which* rows a tensor holds takes a
+``row_offset`` (global index of its first row): ``PosEmbed2d.forward``, ``Rope2d.forward``,
+``NeighbourhoodAttention.project``/``attend``. The plain model always passes 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from recipes.stormscope.natten import IMPLS, check_kernel, neighbourhood_attention
+
+POS_EMBEDS = ("learned", "rope", "none")
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches -> token grid (B, Hp, Wp, hidden)."""
+
+    def __init__(self, in_channels: int, hidden_size: int, patch_size: int):
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
+        # Xavier on the conv seen as a Linear over a flattened patch (as DiT does).
+        nn.init.xavier_uniform_(self.proj.weight.view(hidden_size, -1))
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).permute(0, 2, 3, 1)
+
+
+class PosEmbed2d(nn.Module):
+    """Learned additive positional embedding of shape (1, Hp, Wp, D)."""
+
+    def __init__(self, grid: tuple[int, int], hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, grid[0], grid[1], hidden_size))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
+        # A band of rows adds the matching rows of the table.
+        return x + self.weight[:, row_offset:row_offset + x.shape[1]].to(x.dtype)
+
+
+class Rope2d(nn.Module):
+    """2-D rotary position embedding: the first half of the head dim rotates with the row
+    index, the second half with the column index (each half in "rotate-half" pairs).
+
+    Parameter-free; tables are computed from integer positions on the fly, so a band simply
+    passes its global rows and nothing needs sharding or survives meta-device init.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0):
+        super().__init__()
+        if head_dim % 4:
+            raise ValueError(f"rope needs head_dim divisible by 4 (hidden_size / num_heads), got head_dim={head_dim}")
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def angles(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (len(rows), len(cols), head_dim // 2) for integer positions."""
+        axis_dim = self.head_dim // 2
+        inv_freq = self.theta ** (-torch.arange(0, axis_dim, 2, device=rows.device, dtype=torch.float32) / axis_dim)
+        ar = rows.float()[:, None] * inv_freq  # (R, head_dim/4)
+        ac = cols.float()[:, None] * inv_freq  # (C, head_dim/4)
+        ang = torch.cat([ar[:, None, :].expand(-1, len(cols), -1), ac[None, :, :].expand(len(rows), -1, -1)], -1)
+        return ang.cos(), ang.sin()
+
+    def forward(self, x: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
+        """Rotate x (..., R, C, head_dim) whose rows are global rows row_offset .. row_offset + R."""
+        rows = torch.arange(row_offset, row_offset + x.shape[-3], device=x.device)
+        cos, sin = self.angles(rows, torch.arange(x.shape[-2], device=x.device))
+        quarter = self.head_dim // 4
+        xf = x.float().unflatten(-1, (2, 2, quarter))  # (axis: row/col, pair half, freq)
+        x1, x2 = xf[..., 0, :], xf[..., 1, :]
+        cos, sin = cos.unflatten(-1, (2, quarter)), sin.unflatten(-1, (2, quarter))
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-2)
+        return out.flatten(-3).to(x.dtype)
+
+
+class TimestepEmbed(nn.Module):
+    """Sinusoidal features of the noise label through an MLP, plus optional scalar conditions."""
+
+    def __init__(self, hidden_size: int, num_scalar_conditions: int = 0, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+        self.scalars = nn.Linear(num_scalar_conditions, hidden_size) if num_scalar_conditions else None
+        for m in self.mlp:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, noise_labels: torch.Tensor, scalar_conditions: torch.Tensor | None = None) -> torch.Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=noise_labels.device) / half)
+        arg = noise_labels.float()[:, None] * freqs[None]
+        c = self.mlp(torch.cat([arg.cos(), arg.sin()], -1).to(self.mlp[0].weight.dtype))
+        if self.scalars is not None:
+            c = c + self.scalars(scalar_conditions.to(c.dtype))
+        return c
+
+
+class NeighbourhoodAttention(nn.Module):
+    """Multi-head 2-D neighbourhood attention on a token grid (B, R, W, D).
+
+    ``forward`` is ``attend(*project(x))``; a domain-parallel subclass can fetch halo rows of
+    k/v between the two and tell ``attend`` which global rows each tensor holds.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, kernel: int, rope: bool = False, impl: str = "auto"):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.kernel = kernel
+        self.impl = impl
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
+        self.rope = Rope2d(self.head_dim) if rope else None
+        self.proj = nn.Linear(hidden_size, hidden_size)
+
+    def project(self, x: torch.Tensor, row_offset: int = 0):
+        """q, k, v of shape (B, heads, R, W, head_dim), rope applied at global rows row_offset..."""
+        b, r, w, _ = x.shape
+        q, k, v = self.qkv(x).view(b, r, w, 3, self.num_heads, self.head_dim).permute(3, 0, 4, 1, 2, 5)
+        if self.rope is not None:
+            q, k = self.rope(q, row_offset), self.rope(k, row_offset)
+        return q, k, v
+
+    def attend(self, q, k, v, q_row_offset: int = 0, kv_row_offset: int = 0, grid_rows: int | None = None):
+        """Attention of q rows over k/v rows (global offsets as in natten), heads merged, projected."""
+        o = neighbourhood_attention(q, k, v, self.kernel, impl=self.impl, q_row_offset=q_row_offset,
+                                    kv_row_offset=kv_row_offset, grid_rows=grid_rows)
+        b, _, r, w, _ = o.shape
+        return self.proj(o.permute(0, 2, 3, 1, 4).reshape(b, r, w, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attend(*self.project(x))
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden_size: int, mlp_ratio: float):
+        super().__init__()
+        inner = int(hidden_size * mlp_ratio)
+        self.fc1 = nn.Linear(hidden_size, inner)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(inner, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class DiTBlock(nn.Module):
+    """adaLN-zero transformer block: modulation starts at zero, so each block starts as identity."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, kernel: int, rope: bool, impl: str):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = NeighbourhoodAttention(hidden_size, num_heads, kernel, rope=rope, impl=impl)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(hidden_size, mlp_ratio)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        nn.init.zeros_(self.adaLN_modulation[1].weight)
+        nn.init.zeros_(self.adaLN_modulation[1].bias)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        # (B, 6D) -> six (B, 1, 1, D) terms broadcast over the token grid.
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c)[:, None, None].chunk(6, dim=-1)
+        x = x + gate1 * self.attn(_modulate(self.norm1(x), shift1, scale1))
+        return x + gate2 * self.mlp(_modulate(self.norm2(x), shift2, scale2))
+
+
+class FinalLayer(nn.Module):
+    """adaLN + Linear to patch_size**2 * out_channels per token, zero-initialised."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        for m in (self.adaLN_modulation[1], self.linear):
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c)[:, None, None].chunk(2, dim=-1)
+        return self.linear(_modulate(self.norm(x), shift, scale))
+
+
+def unpatchify(x: torch.Tensor, patch_size: int, out_channels: int) -> torch.Tensor:
+    """(B, Hp, Wp, p*p*C) -> (B, C, Hp*p, Wp*p)."""
+    b, hp, wp, _ = x.shape
+    p = patch_size
+    x = x.reshape(b, hp, wp, p, p, out_channels).permute(0, 5, 1, 3, 2, 4)
+    return x.reshape(b, out_channels, hp * p, wp * p)
+
+
+class DiT(nn.Module):
+    """Diffusion transformer on a 2-D token grid with neighbourhood attention (StormScope).
+
+    forward(x (B, in, H, W), noise_labels (B,), scalar_conditions (B, S) | None,
+    mask (B, 1, H, W) bool | None, True = invalid) -> (B, out, H, W).
+    """
+
+    def __init__(self, img_resolution: tuple[int, int], in_channels: int, out_channels: int, patch_size: int = 4,
+                 hidden_size: int = 768, depth: int = 16, num_heads: int = 16, mlp_ratio: float = 4.0,
+                 attn_kernel: int = 31, pos_embed: str = "learned", num_scalar_conditions: int = 0,
+                 mask_token: bool = False, checkpoint_blocks: bool = False, attn_impl: str = "auto"):
+        super().__init__()
+        h, w = img_resolution
+        if h % patch_size or w % patch_size:
+            raise ValueError(f"img_resolution {tuple(img_resolution)} must be divisible by patch_size={patch_size}")
+        if pos_embed not in POS_EMBEDS:
+            raise ValueError(f"pos_embed must be one of {POS_EMBEDS}, got pos_embed={pos_embed!r}")
+        if attn_impl not in IMPLS:
+            raise ValueError(f"attn_impl must be one of {IMPLS}, got attn_impl={attn_impl!r}")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+        try:
+            check_kernel(attn_kernel)
+        except ValueError:
+            raise ValueError(f"attn_kernel must be a positive odd integer, got attn_kernel={attn_kernel!r}") from None
+        if pos_embed == "rope" and (hidden_size // num_heads) % 4:
+            raise ValueError(f"pos_embed='rope' needs hidden_size / num_heads divisible by 4, "
+                             f"got {hidden_size} / {num_heads}")
+        self.img_resolution = (h, w)
+        self.grid = (h // patch_size, w // patch_size)
+        self.in_channels, self.out_channels, self.patch_size = in_channels, out_channels, patch_size
+        self.num_scalar_conditions = num_scalar_conditions
+        self.checkpoint_blocks = checkpoint_blocks
+
+        self.patch_embed = PatchEmbed(in_channels, hidden_size, patch_size)
+        self.pos_embed = PosEmbed2d(self.grid, hidden_size) if pos_embed == "learned" else None
+        self.mask_token = nn.Parameter(torch.randn(hidden_size) * 0.02) if mask_token else None
+        self.t_embed = TimestepEmbed(hidden_size, num_scalar_conditions)
+        self.blocks = nn.ModuleList(
+            DiTBlock(hidden_size, num_heads, mlp_ratio, attn_kernel, pos_embed == "rope", attn_impl)
+            for _ in range(depth))
+        self.final = FinalLayer(hidden_size, patch_size, out_channels)
+        for blk in self.blocks:  # DiT init for the transformer linears (modulation stays zero)
+            for lin in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2):
+                nn.init.xavier_uniform_(lin.weight)
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, scalar_conditions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        if (scalar_conditions is None) != (self.num_scalar_conditions == 0):
+            raise ValueError(f"model built with num_scalar_conditions={self.num_scalar_conditions}; "
+                             f"scalar_conditions {'missing' if scalar_conditions is None else 'not expected'}")
+        if mask is not None:
+            mask = mask.bool()
+            # where, not multiply: NaN * 0 is NaN. Invalid pixels never reach the embedding.
+            x = torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)
+        tokens = self.patch_embed(x)
+        if mask is not None and self.mask_token is not None:
+            invalid = F.max_pool2d(mask.to(x.dtype), self.patch_size)[:, 0, :, :, None] > 0  # any invalid pixel
+            tokens = torch.where(invalid, self.mask_token.to(tokens.dtype), tokens)
+        if self.pos_embed is not None:
+            tokens = self.pos_embed(tokens)
+        c = self.t_embed(noise_labels, scalar_conditions)
+        for blk in self.blocks:
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                tokens = checkpoint(blk, tokens, c, use_reentrant=False)
+            else:
+                tokens = blk(tokens, c)
+        return unpatchify(self.final(tokens, c), self.patch_size, self.out_channels)
+
+
+def stormscope_dit(img_resolution=(512, 640), in_channels: int = 10, out_channels: int = 5, **kw) -> DiT:
+    """The StormScope preset: 16 blocks, hidden 768, 16 heads, patch 4, 31x31 neighbourhoods."""
+    cfg = dict(patch_size=4, hidden_size=768, depth=16, num_heads=16, attn_kernel=31) | kw
+    return DiT(img_resolution, in_channels, out_channels, **cfg)

@@ -1,0 +1,224 @@
+"""2-D neighbourhood attention (NATTEN semantics) over a token grid, in plain PyTorch.
+
+Every query at grid position (i, j) attends to a ``kernel x kernel`` window of keys. As in
+NATTEN, the window is *clamped* into the grid rather than cropped: near an edge it shifts
+inward, so every query sees exactly ``min(kernel, H) x min(kernel, W)`` keys. A kernel at
+least as large as an axis means full attention along that axis.
+
+Tensors use the grid layout ``(B, heads, rows, cols, head_dim)``. For domain parallelism
+the rows can be a band of a larger grid: ``q`` covers global rows
+``[q_row_offset, q_row_offset + Hq)``, ``k``/``v`` cover ``[kv_row_offset, kv_row_offset + Hk)``
+of a grid with ``grid_rows`` rows, and windows are computed in global coordinates. A rank
+holding its band plus ``kernel // 2`` halo rows from each neighbour thus reproduces the
+unsharded rows exactly (see :func:`kv_rows_needed`). Columns are never split.
+
+Implementations, all equal to :func:`dense_neighbourhood_attention` to float tolerance:
+
+* ``"flex"``: ``flex_attention`` with a block mask, so only the blocks a window touches
+  are computed (compiled on CUDA; CPU runs eager flex, forward only in torch 2.13).
+* ``"reference"``: query rows in chunks, each against only the key rows its windows can
+  reach, through ``scaled_dot_product_attention`` with a small boolean mask. Memory is
+  O(chunk * W * (chunk + kernel) * W) instead of O((H * W) ** 2).
+* ``"auto"``: flex on CUDA (head_dim >= 16, which its Triton kernels need), else reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+try:  # flex_attention exists from torch 2.5; keep the module importable without it
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover
+    create_block_mask = flex_attention = None
+
+IMPLS = ("auto", "flex", "reference")
+
+# Score elements (batch * heads * queries * keys) one reference chunk may hold: ~512 MiB fp32.
+_REFERENCE_SCORE_BUDGET = 1 << 27
+
+
+def check_kernel(kernel: int) -> None:
+    if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"neighbourhood attention kernel must be a positive odd integer, got kernel={kernel!r}")
+
+
+def window_starts(pos: torch.Tensor, kernel: int, n: int) -> torch.Tensor:
+    """First key index of each query's window along an axis of length ``n`` (clamped inward)."""
+    k = min(kernel, n)
+    return (pos - kernel // 2).clamp(0, n - k)
+
+
+def kv_rows_needed(q_start: int, q_stop: int, kernel: int, grid_rows: int) -> tuple[int, int]:
+    """Global key rows ``[start, stop)`` that the windows of query rows ``[q_start, q_stop)`` touch.
+
+    Window starts grow monotonically with the query row, so the first and last query rows bound
+    the range. Interior bands need ``kernel // 2`` rows either side; a band touching a grid edge
+    may need more on the other side (its windows shift inward), which is why the first and last
+    band of a split should hold at least ``kernel // 2 + 1`` rows.
+    """
+    check_kernel(kernel)
+    k = min(kernel, grid_rows)
+    first = int(window_starts(torch.tensor(q_start), kernel, grid_rows))
+    last = int(window_starts(torch.tensor(q_stop - 1), kernel, grid_rows))
+    return first, last + k
+
+
+def _axis_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, kernel: int, n: int) -> torch.Tensor:
+    """(len(q_pos), len(k_pos)) bool: key position inside the query's clamped window."""
+    start = window_starts(q_pos, kernel, n)[:, None]
+    return (k_pos[None, :] >= start) & (k_pos[None, :] < start + min(kernel, n))
+
+
+def _grid_mask(q_rows, k_rows, cols, kernel, grid_rows, device) -> torch.Tensor:
+    """Boolean (len(q_rows) * W, len(k_rows) * W) mask over flattened row-major tokens."""
+    rows = _axis_mask(q_rows.to(device), k_rows.to(device), kernel, grid_rows)
+    c = torch.arange(cols, device=device)
+    col = _axis_mask(c, c, kernel, cols)
+    return (rows[:, None, :, None] & col[None, :, None, :]).reshape(len(q_rows) * cols, len(k_rows) * cols)
+
+
+def _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows) -> int:
+    check_kernel(kernel)
+    if q.dim() != 5 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3:] != k.shape[3:]:
+        raise ValueError(f"expected q, k, v as (B, heads, rows, cols, head_dim) with equal B, heads, cols "
+                         f"and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    hq, hk = q.shape[2], k.shape[2]
+    if grid_rows is None:
+        grid_rows = hq
+    if q_row_offset < 0 or q_row_offset + hq > grid_rows:
+        raise ValueError(f"query rows [{q_row_offset}, {q_row_offset + hq}) lie outside the grid of {grid_rows} rows")
+    lo, hi = kv_rows_needed(q_row_offset, q_row_offset + hq, kernel, grid_rows)
+    if lo < kv_row_offset or hi > kv_row_offset + hk:
+        raise ValueError(
+            f"query rows [{q_row_offset}, {q_row_offset + hq}) with kernel={kernel} on a {grid_rows}-row grid need "
+            f"key rows [{lo}, {hi}), but k/v cover rows [{kv_row_offset}, {kv_row_offset + hk}); "
+            f"pass more halo rows")
+    return grid_rows
+
+
+def dense_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0,
+                                  grid_rows: int | None = None) -> torch.Tensor:
+    """The definition: a full (Hq*W, Hk*W) boolean neighbourhood mask into SDPA. For tests/benchmarks."""
+    grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
+    b, h, hq, w, d = q.shape
+    hk = k.shape[2]
+    mask = _grid_mask(torch.arange(q_row_offset, q_row_offset + hq), torch.arange(kv_row_offset, kv_row_offset + hk),
+                      w, kernel, grid_rows, q.device)
+    out = F.scaled_dot_product_attention(q.reshape(b, h, hq * w, d), k.reshape(b, h, hk * w, d),
+                                         v.reshape(b, h, hk * w, d), attn_mask=mask)
+    return out.reshape(b, h, hq, w, d)
+
+
+def reference_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0,
+                                      grid_rows: int | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+    """Chunked exact neighbourhood attention: each chunk of query rows sees only the key rows it can reach."""
+    grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
+    b, h, hq, w, d = q.shape
+    kr = min(kernel, grid_rows)
+    if chunk_rows is None:
+        # A chunk of n query rows scores against n + kernel - 1 key rows, so total work grows with
+        # n + kernel - 1: half a kernel keeps the waste at ~1.5x with few SDPA calls, and the
+        # score budget bounds memory on wide grids.
+        chunk_rows = min(kr // 2 + 1, _REFERENCE_SCORE_BUDGET // max(1, b * h * w * w * 2 * kr))
+    chunk_rows = max(1, min(hq, chunk_rows))
+    outs = []
+    # split, not slicing, for q: its backward is one concatenation instead of a full-size zero
+    # gradient per chunk (k/v slabs overlap, so they must be sliced).
+    for r0, qc in zip(range(0, hq, chunk_rows), q.split(chunk_rows, dim=2)):
+        r1 = r0 + qc.shape[2]
+        g0, g1 = q_row_offset + r0, q_row_offset + r1
+        lo, hi = kv_rows_needed(g0, g1, kernel, grid_rows)
+        mask = _grid_mask(torch.arange(g0, g1), torch.arange(lo, hi), w, kernel, grid_rows, q.device)
+        ks = k[:, :, lo - kv_row_offset:hi - kv_row_offset].reshape(b, h, (hi - lo) * w, d)
+        vs = v[:, :, lo - kv_row_offset:hi - kv_row_offset].reshape(b, h, (hi - lo) * w, d)
+        o = F.scaled_dot_product_attention(qc.reshape(b, h, (r1 - r0) * w, d), ks, vs, attn_mask=mask)
+        outs.append(o.reshape(b, h, r1 - r0, w, d))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
+                device: torch.device):
+    """Flex block mask for one band geometry; cached because building it costs a pass over all blocks."""
+    kr, kc = min(kernel, grid_rows), min(kernel, w)
+    r = kernel // 2
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        # Flattened row-major token index -> global (row, col); same clamped-window rule as _axis_mask.
+        qi, qj = q_idx // w + q_row_offset, q_idx % w
+        ki, kj = kv_idx // w + kv_row_offset, kv_idx % w
+        rs = (qi - r).clamp(0, grid_rows - kr)
+        cs = (qj - r).clamp(0, w - kc)
+        return (ki >= rs) & (ki < rs + kr) & (kj >= cs) & (kj < cs + kc)
+
+    return create_block_mask(mask_mod, None, None, hq * w, hk * w, device=device, _compile=device.type == "cuda")
+
+
+@functools.cache
+def _compiled_flex():
+    # One compiled callable shared by all calls; CUDA only (compiling on CPU costs ~20 s and CPU
+    # flex has no backward anyway).
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0,
+                                 grid_rows: int | None = None) -> torch.Tensor:
+    """flex_attention over the flattened (row-major) tokens, skipping blocks no window touches."""
+    if flex_attention is None:
+        raise NotImplementedError("this torch has no torch.nn.attention.flex_attention")
+    grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
+    b, h, hq, w, d = q.shape
+    hk = k.shape[2]
+    mask = _block_mask(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device)
+    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    with warnings.catch_warnings():  # eager (CPU) flex warns that it is not compiled: that is the point here
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        out = fn(q.reshape(b, h, hq * w, d), k.reshape(b, h, hk * w, d), v.reshape(b, h, hk * w, d),
+                 block_mask=mask)
+    return out.reshape(b, h, hq, w, d)
+
+
+_warned_fallback = False
+
+
+def _counting_flops() -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(type(m).__name__ == "_FlopCounterMode" for m in _get_current_dispatch_mode_stack())
+
+
+def flex_supported(q: torch.Tensor) -> bool:
+    """Whether flex runs for q: compiled flex needs head_dim >= 16 (torch 2.11-2.13 Triton kernels)."""
+    return flex_attention is not None and (q.device.type != "cuda" or q.shape[-1] >= 16)
+
+
+def neighbourhood_attention(q, k, v, kernel: int, *, impl: str = "auto", q_row_offset: int = 0,
+                            kv_row_offset: int = 0, grid_rows: int | None = None) -> torch.Tensor:
+    """Neighbourhood attention of ``q`` (B, heads, Hq, W, d) over ``k``/``v`` (B, heads, Hk, W, d).
+
+    ``impl``: "auto" (flex on CUDA when head_dim >= 16, else reference), "flex" (falls back to
+    reference, with a warning, where flex cannot run: backward on CPU, head_dim < 16 on CUDA)
+    or "reference".
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"neighbourhood attention impl must be one of {IMPLS}, got impl={impl!r}")
+    band = dict(q_row_offset=q_row_offset, kv_row_offset=kv_row_offset, grid_rows=grid_rows)
+    if impl == "auto":
+        impl = "flex" if q.is_cuda and flex_supported(q) else "reference"
+    if impl == "flex" and _counting_flops():
+        impl = "reference"  # FlopCounterMode cannot trace flex's higher-order op: count the same math
+    if impl == "flex":
+        try:
+            if not flex_supported(q):
+                raise NotImplementedError(f"flex needs head_dim >= 16 on CUDA, got {q.shape[-1]}")
+            return flex_neighbourhood_attention(q, k, v, kernel, **band)
+        except NotImplementedError as e:
+            global _warned_fallback
+            if not _warned_fallback:
+                warnings.warn(f"flex neighbourhood attention unavailable ({e}); using the reference implementation")
+                _warned_fallback = True
+    return reference_neighbourhood_attention(q, k, v, kernel, **band)

@@ -1,0 +1,195 @@
+"""How the StormScope DiT splits over the domain axis (bands of patch rows), for the splitter.
+
+The DiT keeps its tokens a 2-D grid (B, Hp, Wp, D), so a band of pixel rows that holds whole
+patch rows is a band of token rows, and only neighbourhood attention mixes rows:
+
+* ``NeighbourhoodAttention``: project the band at its global patch-row offset (rope at global
+  rows), fetch exactly the key/value rows its windows reach from the two neighbouring bands
+  (``natten.kv_rows_needed``: ``kernel // 2`` rows for an interior band, more or fewer near a
+  grid edge, where windows are clamped inward), attend in global coordinates. The halo's
+  backward sends the key/value gradients to the rows' owners.
+* ``PosEmbed2d``: adds the band's rows of the learned table.
+* ``PatchEmbed``: local on bands of whole patches (its strided conv is not a general
+  row-splittable conv, so the rule answers for it).
+* ``DiT``: checks the bands against the patch size, the grid and every attention kernel.
+* Everything else (LayerNorm over the hidden dim, MLP, adaLN, timestep embedding, final
+  layer, unpatchify, mask pooling, ``Rope2d`` whose caller passes global rows) is per token.
+
+Bands are ``DomainGroup.extents`` in pixel rows; at token resolution (``rows`` local token rows)
+``dg.extents_like(rows)`` gives every band in token rows, exactly when the extents are
+multiples of the patch size (which the DiT rule requires).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from framework.domain import splitter
+from framework.domain.comm import DomainGroup, _p2p
+from framework.errors import ConfigError
+from recipes.stormscope import dit
+from recipes.stormscope.natten import kv_rows_needed
+
+
+def token_extents(dg: DomainGroup, rows: int) -> list[int]:
+    """Every band in token rows, given this rank's ``rows`` token rows (exact, or ConfigError)."""
+    own = dg.extents[dg.rank]
+    if any(e * rows % own for e in dg.extents):
+        raise ConfigError(f"domain extents {dg.extents} (pixel rows) do not scale to whole token rows when "
+                          f"rank {dg.rank} holds {rows}: extents must be multiples of the patch size")
+    return dg.extents_like(rows)
+
+
+@functools.lru_cache(maxsize=256)
+def halo_plan(extents: tuple[int, ...], kernel: int) -> tuple[tuple[int, int], ...]:
+    """(rows from the previous band, rows from the next band) each band's windows need.
+
+    ``extents``: token rows per band. ConfigError if a band needs rows beyond its immediate
+    neighbours (a band thinner than the attention needs).
+    """
+    grid = sum(extents)
+    plan = []
+    for r, e in enumerate(extents):
+        start = sum(extents[:r])
+        lo, hi = kv_rows_needed(start, start + e, kernel, grid)
+        top, bottom = start - lo, hi - start - e
+        prev = extents[r - 1] if r > 0 else 0
+        nxt = extents[r + 1] if r + 1 < len(extents) else 0
+        if top > prev or bottom > nxt:
+            hint = (f"give every band at least kernel // 2 + 1 = {kernel // 2 + 1} patch rows" if kernel < grid else
+                    "a kernel spanning every row splits over at most 2 bands")
+            raise ConfigError(
+                f"neighbourhood attention with kernel {kernel} on {grid} patch rows cannot be split into bands of "
+                f"{list(extents)} patch rows: band {r} (rows [{start}, {start + e})) needs key rows [{lo}, {hi}), "
+                f"beyond its neighbours' rows [{start - prev}, {start + e + nxt}); {hint} (use fewer domain ranks "
+                "or a smaller kernel)")
+        plan.append((top, bottom))
+    return tuple(plan)
+
+
+class _Halo(torch.autograd.Function):
+    """``x`` with ``plan[rank][0]`` rows of the previous band above and ``plan[rank][1]`` rows of the
+    next band below, along ``dim``; the backward returns the halo rows' gradients to their owners."""
+
+    @staticmethod
+    def forward(ctx, x, plan, dg: DomainGroup, dim: int):
+        ctx.plan, ctx.dg, ctx.dim = plan, dg, dim
+        r, n = dg.rank, x.shape[dim]
+        top, bottom = plan[r]
+        sends, recvs = [], []
+        parts = [x]
+        if top:
+            parts.insert(0, x.new_empty(*x.shape[:dim], top, *x.shape[dim + 1:]))
+            recvs.append((parts[0], r - 1))
+        if bottom:
+            parts.append(x.new_empty(*x.shape[:dim], bottom, *x.shape[dim + 1:]))
+            recvs.append((parts[-1], r + 1))
+        if r > 0 and plan[r - 1][1]:  # the previous band's bottom halo is my first rows
+            sends.append((x.narrow(dim, 0, plan[r - 1][1]), r - 1))
+        if r + 1 < dg.size and plan[r + 1][0]:  # the next band's top halo is my last rows
+            sends.append((x.narrow(dim, n - plan[r + 1][0], plan[r + 1][0]), r + 1))
+        _p2p(sends, recvs, dg)
+        return torch.cat(parts, dim) if len(parts) > 1 else x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        plan, dg, dim = ctx.plan, ctx.dg, ctx.dim
+        r = dg.rank
+        top, bottom = plan[r]
+        n = g.shape[dim] - top - bottom
+        grad = g.narrow(dim, top, n).clone()
+        sends, recvs = [], []
+        if top:
+            sends.append((g.narrow(dim, 0, top), r - 1))
+        if bottom:
+            sends.append((g.narrow(dim, top + n, bottom), r + 1))
+        from_prev = from_next = None
+        if r > 0 and plan[r - 1][1]:
+            from_prev = grad.new_empty(*grad.shape[:dim], plan[r - 1][1], *grad.shape[dim + 1:])
+            recvs.append((from_prev, r - 1))
+        if r + 1 < dg.size and plan[r + 1][0]:
+            from_next = grad.new_empty(*grad.shape[:dim], plan[r + 1][0], *grad.shape[dim + 1:])
+            recvs.append((from_next, r + 1))
+        _p2p(sends, recvs, dg)
+        if from_prev is not None:
+            grad.narrow(dim, 0, from_prev.shape[dim]).add_(from_prev)
+        if from_next is not None:
+            grad.narrow(dim, n - from_next.shape[dim], from_next.shape[dim]).add_(from_next)
+        return grad, None, None, None
+
+
+def halo_rows(x: torch.Tensor, plan, dg: DomainGroup, dim: int) -> torch.Tensor:
+    """Differentiable asymmetric halo exchange: each band gets exactly the rows ``plan`` names."""
+    return x if dg.size == 1 or not any(map(any, plan)) else _Halo.apply(x, plan, dg, dim)
+
+
+class _NeighbourhoodAttentionMixin:
+    """Neighbourhood attention of this band's queries over its rows plus the neighbours' halo rows."""
+
+    _domain: DomainGroup
+
+    def forward(self, x):
+        dg = self._domain
+        ext = token_extents(dg, x.shape[1])
+        plan = halo_plan(tuple(ext), self.kernel)
+        start = sum(ext[:dg.rank])
+        q, k, v = self.project(x, start)  # rope (if any) at global rows, before k leaves its owner
+        # k and v in one exchange: (2, B, heads, rows, W, head_dim), rows at dim 3
+        k, v = halo_rows(torch.stack((k, v)), plan, dg, dim=3).unbind(0)
+        return self.attend(q, k, v, q_row_offset=start, kv_row_offset=start - plan[dg.rank][0],
+                           grid_rows=sum(ext))
+
+
+class _PosEmbedMixin:
+    """The band's rows of the learned (1, Hp, Wp, D) table; ``row_offset`` counts within the band."""
+
+    _domain: DomainGroup
+
+    def forward(self, x, row_offset: int = 0):
+        ext = token_extents(self._domain, x.shape[1])
+        return super().forward(x, sum(ext[:self._domain.rank]) + row_offset)
+
+
+def _attention(m: dit.NeighbourhoodAttention, dg: DomainGroup) -> None:
+    # Band thickness is checked by the DiT rule (which knows the patch size) and again, from the
+    # token rows, on every forward (alike on all ranks, so all refuse before any communication).
+    splitter.swap_class(m, _NeighbourhoodAttentionMixin, dg)
+
+
+def _pos_embed(m: dit.PosEmbed2d, dg: DomainGroup) -> None:
+    splitter.swap_class(m, _PosEmbedMixin, dg)
+
+
+def _patch_embed(m: dit.PatchEmbed, dg: DomainGroup) -> None:
+    conv = m.proj
+    p = conv.stride[0]
+    if conv.kernel_size[0] != p or conv.padding[0] != 0 or conv.dilation[0] != 1:
+        raise ConfigError(f"patch embedding conv with kernel {conv.kernel_size}, stride {conv.stride}, padding "
+                          f"{conv.padding}, dilation {conv.dilation} is not local on bands of patch rows "
+                          "(supported: kernel = stride, no padding, no dilation)")
+    if any(e % p for e in dg.extents):
+        raise ConfigError(f"domain extents {dg.extents} (pixel rows) must be multiples of patch_size={p}, so "
+                          "every band holds whole patch rows")
+
+
+def _dit(m: dit.DiT, dg: DomainGroup) -> None:
+    p, rows = m.patch_size, m.img_resolution[0]
+    if any(e % p for e in dg.extents):
+        raise ConfigError(f"domain extents {dg.extents} (pixel rows) must be multiples of patch_size={p}, so "
+                          "every band holds whole patch rows")
+    if sum(dg.extents) != rows:
+        raise ConfigError(f"domain extents {dg.extents} cover {sum(dg.extents)} pixel rows but the model's grid "
+                          f"has {rows}")
+    tokens = tuple(e // p for e in dg.extents)
+    for kernel in sorted({a.kernel for a in m.modules() if isinstance(a, dit.NeighbourhoodAttention)}):
+        halo_plan(tokens, kernel)
+
+
+splitter.register(dit.DiT, _dit)  # holds mask_token (per token); checks the bands
+splitter.register(dit.NeighbourhoodAttention, _attention)
+splitter.register(dit.PosEmbed2d, _pos_embed)
+splitter.register(dit.PatchEmbed, _patch_embed, handles_children=True)
+# Per token (or per sample); Rope2d is parameter-free and its caller passes global rows.
+splitter.register_local(dit.Rope2d, dit.TimestepEmbed, dit.Mlp, dit.DiTBlock, dit.FinalLayer)

@@ -1,0 +1,215 @@
+"""The StormScope DiT: shapes, options, adaLN-zero, rope, mask token, checkpointing, bands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recipes.stormscope.dit import DiT, NeighbourhoodAttention, PosEmbed2d, Rope2d
+from recipes.stormscope.natten import dense_neighbourhood_attention
+
+
+def tiny(**kw):
+    cfg = dict(img_resolution=(16, 24), in_channels=3, out_channels=2, patch_size=4, hidden_size=32, depth=2,
+               num_heads=4, attn_kernel=3)
+    return DiT(**(cfg | kw))
+
+
+def perturb_(model, std=0.05, seed=0):
+    """Move every parameter off its (often zero) init so gradients can reach everything."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * std)
+
+
+def inputs(batch=2, seed=0, shape=(16, 24), channels=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, channels, *shape, generator=g), torch.randn(batch, generator=g)
+
+
+@pytest.mark.parametrize("pos_embed", ["learned", "rope", "none"])
+def test_output_shape_and_zero_init(pos_embed):
+    model = tiny(pos_embed=pos_embed)
+    x, t = inputs()
+    out = model(x, t)
+    assert out.shape == (2, 2, 16, 24)
+    assert torch.count_nonzero(out) == 0  # adaLN-zero: a fresh model predicts zeros
+    assert (model.pos_embed is not None) == (pos_embed == "learned")
+    assert all((b.attn.rope is not None) == (pos_embed == "rope") for b in model.blocks)
+
+
+@pytest.mark.parametrize("pos_embed", ["learned", "rope"])
+def test_gradients_reach_every_parameter(pos_embed):
+    model = tiny(pos_embed=pos_embed, mask_token=True, num_scalar_conditions=2)
+    perturb_(model)
+    x, t = inputs()
+    mask = torch.zeros(2, 1, 16, 24, dtype=torch.bool)
+    mask[:, :, :4, :8] = True  # two patches of each sample use the mask token
+    out = model(x, t, scalar_conditions=torch.randn(2, 2), mask=mask)
+    assert out.abs().sum() > 0
+    out.square().mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_learned_vs_rope_vs_none_differ():
+    x, t = inputs()
+    outs = {}
+    for pe in ("learned", "rope", "none"):
+        torch.manual_seed(0)
+        model = tiny(pos_embed=pe)
+        perturb_(model)
+        outs[pe] = model(x, t)
+    assert not torch.allclose(outs["learned"], outs["none"])
+    assert not torch.allclose(outs["rope"], outs["none"])
+
+
+def test_rope_scores_depend_only_on_relative_offset():
+    rope = Rope2d(16)
+    g = torch.Generator().manual_seed(0)
+    qv, kv = torch.randn(16, generator=g), torch.randn(16, generator=g)
+
+    def score(qpos, kpos):
+        grid = torch.zeros(1, 12, 12, 16)
+        q, k = grid.clone(), grid.clone()
+        q[0, qpos[0], qpos[1]], k[0, kpos[0], kpos[1]] = qv, kv
+        q, k = rope(q), rope(k)
+        return torch.dot(q[0, qpos[0], qpos[1]], k[0, kpos[0], kpos[1]])
+
+    base = score((2, 3), (5, 1))
+    torch.testing.assert_close(score((6, 8), (9, 6)), base)  # both shifted by (4, 5)
+    torch.testing.assert_close(score((0, 2), (3, 0)), base)  # both shifted by (-2, -1)
+    assert not torch.allclose(score((2, 3), (5, 2)), base)  # a different offset scores differently
+    # and the norm is preserved (pure rotation)
+    torch.testing.assert_close(rope(qv.expand(1, 3, 4, 16)).norm(dim=-1), qv.norm().expand(1, 3, 4))
+
+
+def test_rope_row_offset_matches_full_rows():
+    rope = Rope2d(8)
+    x = torch.randn(2, 10, 5, 8)
+    torch.testing.assert_close(rope(x[:, 4:7], row_offset=4), rope(x)[:, 4:7])
+
+
+def test_mask_token_replaces_masked_patches_and_nan_is_contained():
+    model = tiny(mask_token=True)
+    perturb_(model)
+    x, t = inputs()
+    mask = torch.zeros(2, 1, 16, 24, dtype=torch.bool)
+    mask[0, 0, 5, 9] = True  # one pixel invalidates patch (1, 2) of sample 0
+    x_nan = x.clone()
+    x_nan[mask.expand_as(x)] = float("nan")
+    out = model(x_nan, t, mask=mask)
+    assert torch.isfinite(out).all()
+    # the masked patch's content must not matter: any other values there give the same output
+    x_other = x.clone()
+    x_other[0, :, 4:8, 8:12] = 100.0
+    torch.testing.assert_close(model(x_other, t, mask=mask), out)
+    # without the mask the patch embedding is used instead
+    assert not torch.allclose(model(x, t), out)
+
+
+def test_mask_token_embedding():
+    model = tiny(mask_token=True)
+    x, _ = inputs()
+    mask = torch.zeros(2, 1, 16, 24, dtype=torch.bool)
+    mask[1, 0, 12, 23] = True  # last patch of sample 1
+    captured = {}
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, a: captured.update(tokens=a[0]))
+    model(x, torch.zeros(2), mask=mask)
+    hook.remove()
+    tokens = captured["tokens"]
+    pos = model.pos_embed.weight[0]
+    torch.testing.assert_close(tokens[1, 3, 5], model.mask_token + pos[3, 5])
+    assert not torch.allclose(tokens[0, 3, 5], model.mask_token + pos[3, 5])
+
+
+@pytest.mark.parametrize("kw,option", [
+    (dict(img_resolution=(18, 24)), "patch_size"),
+    (dict(attn_kernel=4), "attn_kernel"),
+    (dict(pos_embed="sincos"), "pos_embed"),
+    (dict(attn_impl="natten"), "attn_impl"),
+    (dict(num_heads=5), "num_heads"),
+    (dict(hidden_size=24, num_heads=4, pos_embed="rope"), "rope"),
+])
+def test_bad_options_raise(kw, option):
+    with pytest.raises(ValueError, match=option):
+        tiny(**kw)
+
+
+def test_scalar_conditions_must_match_option():
+    x, t = inputs()
+    with pytest.raises(ValueError, match="num_scalar_conditions"):
+        tiny(num_scalar_conditions=2)(x, t)
+    with pytest.raises(ValueError, match="num_scalar_conditions"):
+        tiny()(x, t, scalar_conditions=torch.randn(2, 2))
+
+
+def test_checkpoint_blocks_same_output_and_grads():
+    torch.manual_seed(0)
+    plain = tiny(pos_embed="rope", depth=3)
+    perturb_(plain)
+    ckpt = tiny(pos_embed="rope", depth=3, checkpoint_blocks=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x, t = inputs()
+    outs = []
+    for model in (plain, ckpt):
+        out = model(x, t)
+        out.square().mean().backward()
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1])
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_blocks_are_a_module_list_and_params_contiguous():
+    model = tiny()
+    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 2
+    assert all(p.is_contiguous() for p in model.parameters())
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_attention_band_with_halo_equals_rows_of_full(rope):
+    # What the domain-parallel step does: project the band, add halo rows of k/v, attend in global rows.
+    torch.manual_seed(0)
+    attn = NeighbourhoodAttention(16, 2, kernel=5, rope=rope, impl="reference")
+    x = torch.randn(2, 11, 6, 16)
+    full = attn(x)
+    q, k, v = attn.project(x)
+    ref = attn.proj(dense_neighbourhood_attention(q, k, v, 5).permute(0, 2, 3, 1, 4).reshape(2, 11, 6, 16))
+    torch.testing.assert_close(full, ref)
+    for a, b in [(0, 4), (4, 8), (8, 11)]:
+        lo, hi = max(0, a - 2), min(11, b + 2)
+        qb, _, _ = attn.project(x[:, a:b], row_offset=a)
+        _, kb, vb = attn.project(x[:, lo:hi], row_offset=lo)  # what the neighbours send, already rotated
+        out = attn.attend(qb, kb, vb, q_row_offset=a, kv_row_offset=lo, grid_rows=11)
+        torch.testing.assert_close(out, full[:, a:b])
+
+
+def test_pos_embed_band_slices_rows():
+    pe = PosEmbed2d((6, 4), 8)
+    x = torch.zeros(1, 2, 4, 8)
+    torch.testing.assert_close(pe(x, row_offset=3), pe.weight[:, 3:5])
+
+
+@pytest.mark.gpu
+def test_flex_and_reference_models_agree_on_cuda(monkeypatch):
+    import recipes.stormscope.natten as natten
+
+    torch.manual_seed(0)
+    cfg = dict(pos_embed="rope", img_resolution=(32, 48), attn_kernel=5, hidden_size=64)  # flex: head_dim >= 16
+    ref = tiny(attn_impl="reference", **cfg).cuda()
+    perturb_(ref)
+    flex = tiny(attn_impl="flex", **cfg).cuda()
+    flex.load_state_dict(ref.state_dict())
+    x, t = (a.cuda() for a in inputs(shape=(32, 48)))
+    outs = []
+    for model in (ref, flex):
+        out = model(x, t)
+        out.square().mean().backward()
+        outs.append(out)
+        # from here on, a silent fallback from flex to the reference would fail the test
+        monkeypatch.setattr(natten, "reference_neighbourhood_attention", None)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    for (name, a), b in zip(ref.named_parameters(), flex.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4, msg=name)

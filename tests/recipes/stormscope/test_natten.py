@@ -1,0 +1,185 @@
+"""Neighbourhood attention: every implementation equals dense masked attention, bands equal rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recipes.stormscope.natten import (
+    dense_neighbourhood_attention,
+    kv_rows_needed,
+    neighbourhood_attention,
+    reference_neighbourhood_attention,
+    window_starts,
+)
+
+# (rows, cols, kernel): square, non-square, kernel larger than the grid, rows fewer than the kernel
+CASES = [(6, 6, 3), (7, 9, 5), (9, 5, 7), (4, 4, 7), (3, 11, 5), (10, 3, 3)]
+
+
+def qkv(rows, cols, heads=2, dim=8, batch=2, seed=0, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, rows, cols, dim, generator=g, dtype=torch.float64).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def flex_runs_on_cpu() -> bool:
+    try:
+        q, k, v = qkv(2, 2, requires_grad=False)
+        from recipes.stormscope.natten import flex_neighbourhood_attention
+
+        flex_neighbourhood_attention(q.float(), k.float(), v.float(), 1)
+        return True
+    except Exception:
+        return False
+
+
+def test_window_is_clamped_inward():
+    # kernel 5 on 8 positions: the first queries share the window [0, 5), the last [3, 8).
+    assert window_starts(torch.arange(8), 5, 8).tolist() == [0, 0, 0, 1, 2, 3, 3, 3]
+    # kernel larger than the axis: everybody sees the whole axis
+    assert window_starts(torch.arange(3), 7, 3).tolist() == [0, 0, 0]
+
+
+def test_dense_mask_counts_keys():
+    # Every query sees exactly min(k, H) * min(k, W) keys: use v = 1 with uniform scores -> check via counts.
+    rows, cols, kernel = 7, 5, 3
+    q = torch.zeros(1, 1, rows, cols, 1)
+    k = torch.zeros_like(q)
+    v = torch.arange(rows * cols, dtype=torch.float32).reshape(1, 1, rows, cols, 1)
+    out = dense_neighbourhood_attention(q, k, v, kernel)
+    # mean of the clamped window's values at the corner (0, 0): rows 0..2, cols 0..2
+    assert out[0, 0, 0, 0, 0].item() == pytest.approx(v[0, 0, :3, :3].mean().item())
+    # interior query (3, 2): rows 2..4, cols 1..3
+    assert out[0, 0, 3, 2, 0].item() == pytest.approx(v[0, 0, 2:5, 1:4].mean().item())
+
+
+@pytest.mark.parametrize("rows,cols,kernel", CASES)
+def test_reference_equals_dense_forward_and_backward(rows, cols, kernel):
+    q, k, v = qkv(rows, cols)
+    dense = dense_neighbourhood_attention(q, k, v, kernel)
+    g = torch.randn_like(dense)
+    dq, dk, dv = torch.autograd.grad(dense, (q, k, v), g)
+    for chunk in (1, 2, None):  # several chunkings, including one chunk for everything
+        out = reference_neighbourhood_attention(q, k, v, kernel, chunk_rows=chunk)
+        torch.testing.assert_close(out, dense)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), g), (dq, dk, dv)):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("rows,cols,kernel", CASES)
+def test_auto_on_cpu_equals_dense(rows, cols, kernel):
+    q, k, v = qkv(rows, cols)
+    torch.testing.assert_close(neighbourhood_attention(q, k, v, kernel), dense_neighbourhood_attention(q, k, v, kernel))
+
+
+@pytest.mark.skipif(not flex_runs_on_cpu(), reason="flex_attention does not run on CPU in this torch")
+@pytest.mark.parametrize("rows,cols,kernel", CASES)
+def test_flex_equals_dense_forward(rows, cols, kernel):
+    # CPU flex has no backward in torch 2.13: forward only here, backward is covered on GPU.
+    q, k, v = (t.detach().float() for t in qkv(rows, cols))
+    from recipes.stormscope.natten import flex_neighbourhood_attention
+
+    torch.testing.assert_close(flex_neighbourhood_attention(q, k, v, kernel),
+                               dense_neighbourhood_attention(q, k, v, kernel), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="flex has a backward on CUDA")
+def test_flex_falls_back_where_it_cannot_run(monkeypatch):
+    import recipes.stormscope.natten as natten
+
+    monkeypatch.setattr(natten, "_warned_fallback", False)
+    q, k, v = (t.detach().float().requires_grad_() for t in qkv(5, 6))
+    with pytest.warns(UserWarning, match="reference"):  # CPU flex has no backward: reference takes over
+        out = neighbourhood_attention(q, k, v, 3, impl="flex")
+    torch.testing.assert_close(out, dense_neighbourhood_attention(q, k, v, 3))
+    out.sum().backward()
+    assert q.grad is not None
+
+
+@pytest.mark.parametrize("kernel", [2, 4, 0, -3])
+def test_even_kernel_raises(kernel):
+    q, k, v = qkv(4, 4)
+    with pytest.raises(ValueError, match=f"kernel={kernel}"):
+        neighbourhood_attention(q, k, v, kernel)
+
+
+def test_unknown_impl_raises():
+    q, k, v = qkv(4, 4)
+    with pytest.raises(ValueError, match="impl"):
+        neighbourhood_attention(q, k, v, 3, impl="natten")
+
+
+def split_rows(n, parts):
+    """Uneven bands: sizes differ by at most one, larger ones first."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for p in range(parts):
+        stop = start + base + (p < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@pytest.mark.parametrize("rows,cols,kernel,parts", [(12, 5, 5, 3), (13, 4, 5, 3), (10, 7, 3, 4), (17, 6, 7, 4),
+                                                    (9, 9, 5, 2)])
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_band_with_halo_equals_rows_of_full(rows, cols, kernel, parts, impl):
+    q, k, v = qkv(rows, cols)
+    full = dense_neighbourhood_attention(q, k, v, kernel)
+    g = torch.randn_like(full)
+    full_grads = torch.autograd.grad(full, (q, k, v), g)
+    halo = kernel // 2
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for a, b in split_rows(rows, parts):  # first, middle(s), last band
+        lo, hi = max(0, a - halo), min(rows, b + halo)  # what a halo exchange delivers
+        out = neighbourhood_attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], kernel, impl=impl,
+                                      q_row_offset=a, kv_row_offset=lo, grid_rows=rows)
+        torch.testing.assert_close(out, full[:, :, a:b])
+        # the band's grads, scattered back, must sum to the full grads (halo grads go to the owner)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), g[:, :, a:b])
+        for acc, d in zip(grads, (dq, dk, dv)):
+            acc += d
+    for a, b in zip(grads, full_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_band_too_little_halo_raises():
+    q, k, v = qkv(12, 4)
+    with pytest.raises(ValueError, match=r"need key rows \[2, 10\).*cover rows \[3, 11\)"):
+        neighbourhood_attention(q[:, :, 4:8], k[:, :, 3:11], v[:, :, 3:11], 5, q_row_offset=4, kv_row_offset=3,
+                                grid_rows=12)
+
+
+def test_kv_rows_needed_at_edges():
+    # interior: kernel // 2 either side; at the top the window shifts down, so more rows below
+    assert kv_rows_needed(4, 8, 5, 12) == (2, 10)
+    assert kv_rows_needed(0, 1, 5, 12) == (0, 5)
+    assert kv_rows_needed(11, 12, 5, 12) == (7, 12)
+    assert kv_rows_needed(0, 3, 9, 5) == (0, 5)  # kernel beyond the grid: all rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols,kernel", [(12, 20, 5), (9, 7, 7), (4, 30, 9), (32, 40, 31)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_cuda_equals_dense_forward_and_backward(rows, cols, kernel, dtype):
+    q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in qkv(rows, cols, dim=16))
+    dense = dense_neighbourhood_attention(q, k, v, kernel)
+    g = torch.randn_like(dense)
+    want = torch.autograd.grad(dense, (q, k, v), g)
+    out = neighbourhood_attention(q, k, v, kernel, impl="flex")
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, dense, **tol)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), want):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.gpu
+def test_flex_cuda_band_with_halo_equals_rows_of_full():
+    q, k, v = (t.detach().to("cuda", torch.float32) for t in qkv(23, 20, dim=16))
+    full = dense_neighbourhood_attention(q, k, v, 7)
+    for a, b in split_rows(23, 3):
+        lo, hi = max(0, a - 3), min(23, b + 3)
+        out = neighbourhood_attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], 7, impl="flex",
+                                      q_row_offset=a, kv_row_offset=lo, grid_rows=23)
+        torch.testing.assert_close(out, full[:, :, a:b], atol=1e-4, rtol=1e-4)
