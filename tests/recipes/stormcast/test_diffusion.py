@@ -179,3 +179,22 @@ def test_regression_weights_are_checked_at_start(stage1, tmp_path):
         proc = cli([*base, *extra], tmp)
         assert proc.returncode == 2, (extra, proc.stderr[-2000:])
         assert text in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("conditions,channels", [("[state,invariants]", 4 + 4 + 2), ("[background,invariants]", 4 + 3 + 2)],
+                         ids=["nowcasting-without-background", "downscaling"])
+def test_other_condition_lists_train_without_a_regression_stage(stage1, conditions, channels):
+    """Nowcasting from the state alone and downscaling from the background: residual=false,
+    no regression stage; the denoiser's input is the noisy latent plus exactly those fields."""
+    tmp, data, _, _ = stage1
+    run = tmp / f"diffusion_{conditions.strip('[]').replace(',', '_')}"
+    proc = cli([*DATA, *DIFF, f"data.root={data}", "task.regression=null", "task.residual=false",
+                f"task.conditions={conditions}", f"hydra.run.dir={run}", "trainer.max_steps=2", "trainer.log_every=1",
+                "trainer.val_every=2", "checkpoint.every=2"], tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    val = read(run / "metrics.jsonl", "val")[-1]
+    assert np.isfinite(val["crps"]) and "rmse_regression" not in val
+    from framework.checkpoint.manager import read_meta
+    from framework.export import model_config
+
+    assert model_config(read_meta(run / "checkpoints" / "step_00000002")["config"])["in_channels"] == channels
