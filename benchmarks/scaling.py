@@ -5,9 +5,8 @@
 neighbourhood attention; 28 -> 9 channels: 9 noisy + 9 state + 8 background + 2
 invariants in). MFU: model FLOPs per sample over the device's bf16 peak. SongUNet: counted
 with FlopCounterMode on one step. DiT: FlopCounterMode cannot see inside flex_attention
-(and would count the masked work of other kernels), so its model FLOPs are written out:
-2 x tokens x the weights of its per-token layers, plus 4 x k^2 x hidden per token and
-block for the neighbourhood attention, all x3 for forward + backward.
+(and would count the masked work of other kernels), so its model FLOPs are written out
+(``recipes.stormscope.dit.train_flops``).
 
 Runs the framework's own pieces (registry model builder, mesh, sharding policy,
 precision policy, Trainer.train_step) on in-memory batches, so the data loader is not
@@ -51,18 +50,6 @@ def build_model(args):
 
     return registry.models.build("songunet", SongUNetConfig(**PAPER), in_channels=127, out_channels=99,
                                  img_resolution=(args.height, args.width)), (127, 99)
-
-
-def dit_flops(model, height: int, width: int) -> float:
-    """Model FLOPs (forward + backward) of the DiT for one sample."""
-    p, attn = model.patch_size, model.blocks[0].attn
-    tokens = (height // p) * (width // p)
-    keys = min(attn.kernel, height // p) * min(attn.kernel, width // p)
-    hidden = attn.head_dim * attn.num_heads
-    per_token = model.patch_embed.proj.weight.numel() + model.final.linear.weight.numel()
-    for blk in model.blocks:
-        per_token += sum(lin.weight.numel() for lin in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2))
-    return 3 * tokens * (2 * per_token + 4 * keys * hidden * len(model.blocks))
 
 
 def _forward(model, x, dit: bool):
@@ -136,7 +123,9 @@ def worker(args) -> None:
         from framework.train import metrics
 
         if args.model == "dit":
-            flops = dit_flops(plain, args.height, args.width)
+            from recipes.stormscope.dit import train_flops
+
+            flops = train_flops(plain)
         else:
             _, flops = metrics.count_flops(lambda: t.train_step(batch))  # this rank's share of one step
             flops = flops * env.world_size / (b * topo.dp_size)  # per sample, all ranks

@@ -181,8 +181,13 @@ class Trainer:
             batch = self._to_device(next(batches))
             batch["step"] = self.step  # tasks key their random draws by it (equal on every layout)
             if self.flops_per_sample is None:
-                (loss, grad_norm), flops = metrics.count_flops(lambda: self.train_step(batch))
-                self.flops_per_sample = flops * self.env.world_size / data.batch_size  # every rank's share
+                stated = getattr(self.task, "flops_per_sample", lambda: None)()
+                if stated:  # the model states its FLOPs (FlopCounterMode cannot see all kernels)
+                    self.flops_per_sample = stated
+                    loss, grad_norm = self.train_step(batch)
+                else:
+                    (loss, grad_norm), flops = metrics.count_flops(lambda: self.train_step(batch))
+                    self.flops_per_sample = flops * self.env.world_size / data.batch_size  # every rank's share
             else:
                 loss, grad_norm = self.train_step(batch)
             self.step += 1

@@ -84,7 +84,13 @@ class DiffusionTask(RegressionTask):
         in_ch, out_ch = self.model_io(plain, {"conditions": list(self.cfg.conditions)})
         net = registry.models.build(self.model_cfg.name, self.model_cfg, in_channels=in_ch, out_channels=out_ch,
                                     img_resolution=tuple(d.grid))
+        known = getattr(net, "flops_per_sample", None)  # a net whose FLOPs FlopCounterMode cannot see
+        self._flops = known() if known is not None else None
         return self.wrap_net(net, {"edm": {"sigma_data": list(self.cfg.edm.sigma_data)}})
+
+    def flops_per_sample(self) -> float | None:
+        """Model FLOPs of one training sample when the net states them (the DiT), else None."""
+        return getattr(self, "_flops", None)
 
     def regression(self):
         """The frozen regression stage, on this device, split over the domain like the model."""

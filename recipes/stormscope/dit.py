@@ -252,6 +252,10 @@ class DiT(nn.Module):
                 nn.init.xavier_uniform_(lin.weight)
                 nn.init.zeros_(lin.bias)
 
+    def flops_per_sample(self) -> float:
+        """Model FLOPs of one training sample (see ``train_flops``), for throughput and MFU."""
+        return train_flops(self)
+
     def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, scalar_conditions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         if (scalar_conditions is None) != (self.num_scalar_conditions == 0):
@@ -274,6 +278,23 @@ class DiT(nn.Module):
             else:
                 tokens = blk(tokens, c)
         return unpatchify(self.final(tokens, c), self.patch_size, self.out_channels)
+
+
+def train_flops(model: DiT) -> float:
+    """Model FLOPs of one training sample (forward + backward = 3x forward) of the whole grid.
+
+    Written out because FlopCounterMode cannot see inside flex_attention: 2 x tokens x the
+    weights of the per-token layers (patch embedding, attention and MLP linears, head),
+    plus 4 x keys x hidden per token and block for the neighbourhood attention (scores and
+    weighted values; keys = kernel^2 where the grid is at least a kernel wide).
+    """
+    (hp, wp), attn = model.grid, model.blocks[0].attn
+    keys = min(attn.kernel, hp) * min(attn.kernel, wp)
+    hidden = attn.head_dim * attn.num_heads
+    per_token = model.patch_embed.proj.weight.numel() + model.final.linear.weight.numel()
+    for blk in model.blocks:
+        per_token += sum(lin.weight.numel() for lin in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2))
+    return 3.0 * hp * wp * (2 * per_token + 4 * keys * hidden * len(model.blocks))
 
 
 def stormscope_dit(img_resolution=(512, 640), in_channels: int = 10, out_channels: int = 5, **kw) -> DiT:

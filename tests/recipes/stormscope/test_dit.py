@@ -213,3 +213,17 @@ def test_flex_and_reference_models_agree_on_cuda(monkeypatch):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     for (name, a), b in zip(ref.named_parameters(), flex.parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_train_flops_are_the_model_flops():
+    """3 x (2 x tokens x per-token weights + 4 x keys x hidden x tokens x depth), by hand."""
+    from recipes.stormscope.dit import train_flops
+
+    model = DiT((16, 12), 3, 2, patch_size=2, hidden_size=16, depth=2, num_heads=2, attn_kernel=5)
+    tokens, keys = 8 * 6, 5 * 5
+    weights = 3 * 2 * 2 * 16 + 16 * 2 * 2 * 2  # patch embedding, head
+    weights += 2 * (16 * 48 + 16 * 16 + 16 * 64 + 64 * 16)  # qkv, proj, fc1, fc2 per block
+    assert train_flops(model) == 3 * tokens * (2 * weights + 4 * keys * 16 * 2)
+    assert model.flops_per_sample() == train_flops(model)
+    small = DiT((8, 8), 3, 2, patch_size=2, hidden_size=16, depth=1, num_heads=2, attn_kernel=7)
+    assert train_flops(small) > 0 and small.grid == (4, 4)  # kernel wider than the grid: 4 x 4 keys

@@ -53,6 +53,13 @@ def test_stormscope_learns_and_rolls_out(tmp):
     assert np.mean(loss[-20:]) < 0.8 * np.mean(loss[:20]), (loss[:20], loss[-20:])
     val = read(run / "metrics.jsonl", "val")[-1]
     assert np.isfinite(val["crps"]) and "rmse_regression" not in val  # diffusion only
+    # Throughput in model FLOPs the DiT states (FlopCounterMode cannot see flex_attention).
+    from recipes.stormscope.dit import DiT, train_flops
+
+    flops = train_flops(DiT((18, 16), 3 + 3 + 3 + 2, 3, patch_size=2, hidden_size=32, depth=2, num_heads=2,
+                            attn_kernel=5))
+    row = read(run / "metrics.jsonl", "train")[-1]
+    assert row["tflops"] == pytest.approx(flops * row["samples_per_s"] / 1e12, rel=1e-6)
     out = tmp / "scope.zarr"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", "recipes.stormcast.inference", "--diffusion", str(run),
