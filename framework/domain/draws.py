@@ -63,7 +63,7 @@ def _bits(index: torch.Tensor, key: int, stream: int) -> torch.Tensor:
 
 
 def _uniform(bits: torch.Tensor) -> torch.Tensor:
-    """Uniform in (0, 1) from the top 24 bits: exact in float32, never 0 or 1."""
+    """Uniform in (0, 1) from the top 24 bits, in float64 (exact there; never 0 or 1)."""
     return ((bits >> 8).to(torch.float64) + 0.5) / float(1 << 24)
 
 
