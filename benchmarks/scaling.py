@@ -73,6 +73,10 @@ def worker(args) -> None:
     from framework.config.schema import ParallelConfig, PrecisionConfig, ShardingConfig, TrainerConfig
     from framework.distributed import env as dist_env, mesh, precision as precision_mod
     from framework.train.trainer import Trainer
+    if args.watchdog:  # a hung worker prints every thread's stack, then exits, instead of going silent
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     registry.load_providers()
     env = dist_env.detect()
     device = dist_env.pick_device(args.device, env)
@@ -164,7 +168,8 @@ def launch(sharding: str, gpus: int, args, domain: int = 1) -> dict:
            str(Path(__file__).resolve()), "--worker", "--sharding", sharding, "--precision", args.precision,
            "--batch-per-gpu", str(args.batch_per_gpu), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--height", str(args.height), "--width", str(args.width), "--domain", str(domain),
-           "--device", args.device, "--model", args.model, "--attn-impl", args.attn_impl] + \
+           "--device", args.device, "--model", args.model, "--attn-impl", args.attn_impl,
+           "--watchdog", str(args.watchdog)] + \
         (["--compile"] if args.compile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     for line in proc.stdout.splitlines():
@@ -198,6 +203,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--model", choices=["songunet", "dit"], default="songunet")
     ap.add_argument("--attn-impl", default="auto", help="dit: auto | flex | reference")
+    ap.add_argument("--watchdog", type=float, default=0,
+                    help="worker: after this many seconds print every thread's stack and exit (0: off)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
