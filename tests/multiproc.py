@@ -24,6 +24,9 @@ def _entry(rank, world, port, fn, args, errors, timeout_s):
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         fn(rank, world, *args)
+        # Every rank done before any tears gloo down: a rank that destroys its group while a
+        # peer still talks to it can abort in gloo's C++ teardown ("terminate called ...").
+        dist.barrier()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise

@@ -82,8 +82,12 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float):
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    done = False
     try:
         yield
+        done = True
     finally:
         with contextlib.suppress(Exception):  # a broken group cannot block the exit
+            if done:  # every rank finished before any tears gloo down (its C++ teardown can abort)
+                dist.barrier()
             dist.destroy_process_group()

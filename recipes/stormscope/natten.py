@@ -30,10 +30,17 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-try:  # flex_attention exists from torch 2.5; keep the module importable without it
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-except ImportError:  # pragma: no cover
-    create_block_mask = flex_attention = None
+
+
+@functools.cache
+def _flex_api():
+    """(create_block_mask, flex_attention), or None without them. Imported on first use: the
+    import pulls in torch's compiler stack, which a process that never runs flex should not load."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:  # pragma: no cover
+        return None
+    return create_block_mask, flex_attention
 
 IMPLS = ("auto", "flex", "reference")
 
@@ -155,6 +162,7 @@ def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row
         cs = (qj - r).clamp(0, w - kc)
         return (ki >= rs) & (ki < rs + kr) & (kj >= cs) & (kj < cs + kc)
 
+    create_block_mask = _flex_api()[0]
     return create_block_mask(mask_mod, None, None, hq * w, hk * w, device=device, _compile=device.type == "cuda")
 
 
@@ -162,19 +170,19 @@ def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row
 def _compiled_flex():
     # One compiled callable shared by all calls; CUDA only (compiling on CPU costs ~20 s and CPU
     # flex has no backward anyway).
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(_flex_api()[1], dynamic=False)
 
 
 def flex_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0,
                                  grid_rows: int | None = None) -> torch.Tensor:
     """flex_attention over the flattened (row-major) tokens, skipping blocks no window touches."""
-    if flex_attention is None:
+    if _flex_api() is None:
         raise NotImplementedError("this torch has no torch.nn.attention.flex_attention")
     grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
     b, h, hq, w, d = q.shape
     hk = k.shape[2]
     mask = _block_mask(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device)
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    fn = _compiled_flex() if q.device.type == "cuda" else _flex_api()[1]
     with warnings.catch_warnings():  # eager (CPU) flex warns that it is not compiled: that is the point here
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         out = fn(q.reshape(b, h, hq * w, d), k.reshape(b, h, hk * w, d), v.reshape(b, h, hk * w, d),
@@ -193,7 +201,7 @@ def _counting_flops() -> bool:
 
 def flex_supported(q: torch.Tensor) -> bool:
     """Whether flex runs for q: compiled flex needs head_dim >= 16 (torch 2.11-2.13 Triton kernels)."""
-    return flex_attention is not None and (q.device.type != "cuda" or q.shape[-1] >= 16)
+    return _flex_api() is not None and (q.device.type != "cuda" or q.shape[-1] >= 16)
 
 
 def neighbourhood_attention(q, k, v, kernel: int, *, impl: str = "auto", q_row_offset: int = 0,
