@@ -21,26 +21,18 @@ _C1, _C2 = 0x7FEB352D, 0x846CA68B  # "lowbias32" constants (a well-mixing 32-bit
 _CHUNK = 1 << 24  # elements hashed at once: bounds the int64 temporaries on big fields
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+def _mul32(h, c: int):
     """(h * c) mod 2**32 for h < 2**32, without a product of 2**63 or more."""
     lo, hi = c & 0xFFFF, c >> 16
     return (h * lo + (((h * hi) & 0xFFFF) << 16)) & _M32
 
 
-def _mix(h: torch.Tensor) -> torch.Tensor:
+def _mix(h):
+    """The 32-bit mixer, on a tensor of values < 2**32 or on one Python int."""
     h = h ^ (h >> 16)
     h = _mul32(h, _C1)
     h = h ^ (h >> 15)
     h = _mul32(h, _C2)
-    return h ^ (h >> 16)
-
-
-def _mix_int(h: int) -> int:
-    h &= _M32
-    h ^= h >> 16
-    h = (h * _C1) & _M32
-    h ^= h >> 15
-    h = (h * _C2) & _M32
     return h ^ (h >> 16)
 
 
@@ -50,7 +42,7 @@ def fold(*key: int) -> int:
     for k in key:
         k = int(k)
         for part in (k & _M32, (k >> 32) & _M32):  # 64-bit ints (e.g. large seeds) count whole
-            h = _mix_int(h ^ _mix_int(part + 0x632BE5AB))
+            h = _mix(h ^ _mix((part + 0x632BE5AB) & _M32))
     return h
 
 

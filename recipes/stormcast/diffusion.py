@@ -37,6 +37,7 @@ class DiffusionTask(RegressionTask):
         super().__init__(run, env, device, barrier=barrier, domain=domain)
         self._regression = None
         self._figure_fields = None
+        self._flops = None  # stated by the net (build_model), when it can
 
     # config checks, before any heavy work -------------------------------------------------
     @staticmethod
@@ -90,7 +91,7 @@ class DiffusionTask(RegressionTask):
 
     def flops_per_sample(self) -> float | None:
         """Model FLOPs of one training sample when the net states them (the DiT), else None."""
-        return getattr(self, "_flops", None)
+        return self._flops
 
     def regression(self):
         """The frozen regression stage, on this device, split over the domain like the model."""

@@ -61,7 +61,9 @@ class Forecaster:
             self.diff, self.diff_info = weights.load(diffusion, device)
             task = self.diff_info.task
             self.conditions, self.residual = list(task["conditions"]), bool(task.get("residual"))
-            self.sampler = {**task["sampler"], **(sampler or {})}
+            from recipes.stormcast.config import SamplerConfig
+
+            self.sampler = SamplerConfig(**{**task["sampler"], **(sampler or {})})
             needs_reg = self.residual or "regression" in self.conditions
             if needs_reg and regression is None:
                 regression = task.get("regression")
@@ -100,10 +102,8 @@ class Forecaster:
             cond = torch.cat([parts[c] for c in self.conditions], dim=1) if self.conditions else None
             keys = [(self.seed, lead, m) for m in range(state.shape[0])]
             noise = lambda k: draws.field_normal(k, state.shape[1:], device=state.device)  # noqa: E731
-            kw = {k: self.sampler[k] for k in ("num_steps", "sigma_min", "sigma_max", "rho", "s_churn", "s_min",
-                                               "s_max", "s_noise")}
             sample = edm.heun_sample(lambda x, s: self.diff(x, s, cond), noise(keys),
-                                     noise=lambda i: noise([(*k, i) for k in keys]), **kw).float()
+                                     noise=lambda i: noise([(*k, i) for k in keys]), **self.sampler.kwargs()).float()
         return reg + sample if self.residual else sample
 
 
