@@ -133,8 +133,10 @@ def worker(args) -> None:
         else:
             _, flops = metrics.count_flops(lambda: t.train_step(batch))  # this rank's share of one step
             flops = flops * env.world_size / (b * topo.dp_size)  # per sample, all ranks
-        for _ in range(args.warmup):
+        for i in range(args.warmup):  # step times on stderr tell a slow start (compiling) from a hang
+            t0 = time.perf_counter()
             t.train_step(batch)
+            print(f"rank {env.rank} warm-up step {i}: {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         if cuda:

@@ -34,13 +34,13 @@ import torch.nn.functional as F
 
 @functools.cache
 def _flex_api():
-    """(create_block_mask, flex_attention), or None without them. Imported on first use: the
-    import pulls in torch's compiler stack, which a process that never runs flex should not load."""
+    """(BlockMask, flex_attention), or None without them. Imported on first use: the import
+    pulls in torch's compiler stack, which a process that never runs flex should not load."""
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
     except ImportError:  # pragma: no cover
         return None
-    return create_block_mask, flex_attention
+    return BlockMask, flex_attention
 
 IMPLS = ("auto", "flex", "reference")
 
@@ -147,10 +147,61 @@ def reference_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+# Flex's sparse block size (tokens per query and key block), as create_block_mask's default.
+_FLEX_BLOCK = 128
+# Token-mask elements one step of the block classification may hold (bool): 16 MiB.
+_BLOCK_SCAN_BUDGET = 1 << 24
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, indices) of the True key blocks per query block, True ones first, as flex expects."""
+    counts = dense.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None], indices[None, None]
+
+
+def block_flags(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
+                device, block: int = _FLEX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full): bool (query blocks, key blocks) of the flattened band's token mask.
+
+    A block pair is *full* when every query in it sees every key in it (flex then skips the
+    mask there), *partial* when some do. The token mask factorises into a row mask and a column
+    mask, so it is evaluated a few query blocks at a time in plain tensor ops: exact, bounded
+    memory, and nothing to compile. Blocks past the sequence ends count as masked, so a ragged
+    last block is never full (as in ``create_block_mask``).
+    """
+    q_len, kv_len = hq * w, hk * w
+    nq, nk = -(-q_len // block), -(-kv_len // block)
+    rows = _axis_mask(torch.arange(hq, device=device) + q_row_offset,
+                      torch.arange(hk, device=device) + kv_row_offset, kernel, grid_rows)
+    c = torch.arange(w, device=device)
+    cols = _axis_mask(c, c, kernel, w)
+    kt = torch.arange(kv_len, device=device)
+    k_row, k_col = kt // w, kt % w
+    partial = torch.zeros(nq, nk, dtype=torch.bool, device=device)
+    full = torch.zeros_like(partial)
+    step = max(1, _BLOCK_SCAN_BUDGET // (block * nk * block))
+    for b0 in range(0, nq, step):
+        b1 = min(nq, b0 + step)
+        qt = torch.arange(b0 * block, min(b1 * block, q_len), device=device)
+        m = rows[qt // w][:, k_row] & cols[qt % w][:, k_col]
+        m = F.pad(m, (0, nk * block - kv_len, 0, (b1 - b0) * block - len(qt)))
+        seen = m.view(b1 - b0, block, nk, block).sum((1, 3))
+        full[b0:b1] = seen == block * block
+        partial[b0:b1] = (seen > 0) & ~full[b0:b1]
+    return partial, full
+
+
 @functools.lru_cache(maxsize=64)
 def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
                 device: torch.device):
-    """Flex block mask for one band geometry; cached because building it costs a pass over all blocks."""
+    """Flex block mask for one band geometry, cached per geometry.
+
+    Built from :func:`block_flags` rather than ``create_block_mask``: compiling that (the only
+    fast way at 20k tokens) stalled for minutes in ptxas under torchrun on 2 H200s, and eager it
+    materialises the whole (Q, KV) mask at once. The mask_mod is still needed: flex applies it
+    inside partial blocks.
+    """
     kr, kc = min(kernel, grid_rows), min(kernel, w)
     r = kernel // 2
 
@@ -162,8 +213,9 @@ def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row
         cs = (qj - r).clamp(0, w - kc)
         return (ki >= rs) & (ki < rs + kr) & (kj >= cs) & (kj < cs + kc)
 
-    create_block_mask = _flex_api()[0]
-    return create_block_mask(mask_mod, None, None, hq * w, hk * w, device=device, _compile=device.type == "cuda")
+    partial, full = block_flags(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, device)
+    return _flex_api()[0].from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=_FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(hq * w, hk * w))
 
 
 @functools.cache

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recipes.stormscope import natten
 from recipes.stormscope.natten import (
+    _grid_mask,
+    block_flags,
     dense_neighbourhood_attention,
     kv_rows_needed,
     neighbourhood_attention,
@@ -157,6 +160,48 @@ def test_kv_rows_needed_at_edges():
     assert kv_rows_needed(0, 1, 5, 12) == (0, 5)
     assert kv_rows_needed(11, 12, 5, 12) == (7, 12)
     assert kv_rows_needed(0, 3, 9, 5) == (0, 5)  # kernel beyond the grid: all rows
+
+
+# (q rows, k rows, cols, kernel, q offset, kv offset, grid rows): whole grids, bands with halos,
+# lengths that are and are not multiples of the block, a kernel wider than the columns
+BANDS = [(8, 8, 12, 5, 0, 0, 8), (4, 7, 20, 5, 4, 1, 8), (16, 20, 40, 7, 16, 13, 40), (10, 13, 33, 7, 10, 7, 30),
+         (6, 6, 3, 9, 0, 0, 6), (5, 9, 16, 5, 0, 0, 20)]
+
+
+@pytest.mark.parametrize("hq,hk,w,kernel,qo,ko,grid", BANDS)
+@pytest.mark.parametrize("budget", [1 << 24, 1])  # one pass, and one query block per pass
+def test_block_flags_classify_every_block_of_the_token_mask(hq, hk, w, kernel, qo, ko, grid, budget, monkeypatch):
+    monkeypatch.setattr(natten, "_BLOCK_SCAN_BUDGET", budget)
+    block = 16
+    m = _grid_mask(torch.arange(hq) + qo, torch.arange(hk) + ko, w, kernel, grid, "cpu")
+    nq, nk = -(-hq * w // block), -(-hk * w // block)
+    padded = torch.zeros(nq * block, nk * block, dtype=torch.bool)  # past the ends counts as masked
+    padded[:hq * w, :hk * w] = m
+    seen = padded.view(nq, block, nk, block).sum((1, 3))
+    partial, full = block_flags(hq, hk, w, kernel, qo, ko, grid, "cpu", block=block)
+    assert torch.equal(full, seen == block * block)
+    assert torch.equal(partial, (seen > 0) & (seen < block * block))
+    if kernel >= max(w, grid):  # full attention: every whole block is full
+        assert full[0, 0]
+
+
+def test_block_mask_equals_torchs_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    hq, hk, w, kernel, qo, ko, grid = 24, 31, 40, 7, 24, 21, 64  # 960 x 1240 tokens: ragged 8 x 10 blocks
+    kr, r = min(kernel, grid), kernel // 2
+
+    def mask_mod(b, h, qi, ki):
+        rs = (qi // w + qo - r).clamp(0, grid - kr)
+        cs = (qi % w - r).clamp(0, w - kernel)
+        return (ki // w + ko >= rs) & (ki // w + ko < rs + kr) & (ki % w >= cs) & (ki % w < cs + kernel)
+
+    want = create_block_mask(mask_mod, None, None, hq * w, hk * w, device="cpu")
+    got = natten._block_mask(hq, hk, w, kernel, qo, ko, grid, torch.device("cpu"))
+    assert got.seq_lengths == want.seq_lengths
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 @pytest.mark.gpu
