@@ -19,11 +19,21 @@ def compose():
     return _compose
 
 
-def run_cli(args, cwd, env=None, timeout=600):
-    """Run ``python -m framework`` as a user would; returns the CompletedProcess."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "framework", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+def run_cli(args, cwd, env=None, timeout=600, nproc=1):
+    """Run ``python -m framework`` as a user would (under torchrun for ``nproc`` > 1); returns the
+    CompletedProcess. The checkout is on PYTHONPATH, so a run from any ``cwd`` imports this tree."""
+    launcher = [sys.executable, "-m", "framework"] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "framework"]
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **(env or {}))
+    return subprocess.run([*launcher, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_module(name: str, args, cwd, timeout=300):
+    """``python -m name args`` (an export or inference CLI) from ``cwd``, importing this checkout."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", name, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))
 
 
 def tiny_overrides(tmp_path, data_root, **extra):

@@ -11,8 +11,6 @@ global position), so data-parallel and domain-parallel layouts train on the same
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from framework import registry
@@ -32,10 +30,26 @@ def condition_channels(data, conditions, regression_out: int | None = None) -> i
     return sum(sizes[c] for c in conditions)
 
 
+def condition_inputs(regression, regression_residual: bool, conditions, state, background, invariants):
+    """(regression forecast or None, stacked diffusion conditions or None) for one batch.
+
+    ``regression``: the frozen first stage (or None); ``regression_residual``: it predicts the
+    change from ``state``. ``conditions`` names the parts to stack, in order. Shared by training
+    and the inference rollout, so both condition the diffusion model alike.
+    """
+    reg = None
+    if regression is not None:
+        out = regression(torch.cat([state, background, invariants], dim=1)).float()
+        reg = state.float() + out if regression_residual else out
+    parts = {"state": state, "background": background, "invariants": invariants, "regression": reg}
+    cond = torch.cat([parts[c].float() for c in conditions], dim=1) if conditions else None
+    return reg, cond
+
+
 class DiffusionTask(RegressionTask):
     def __init__(self, run, env, device, barrier=lambda: None, domain=None):
         super().__init__(run, env, device, barrier=barrier, domain=domain)
-        self._regression = None
+        self._regression, self._regression_residual = None, False
         self._figure_fields = None
         self._flops = None  # stated by the net (build_model), when it can
 
@@ -111,15 +125,10 @@ class DiffusionTask(RegressionTask):
     # batches ---------------------------------------------------------------------------------
     def _inputs(self, batch):
         """(target, conditions, base): what the diffusion learns, what it sees, what it adds to."""
-        reg = None
-        if self.cfg.needs_regression:
-            with torch.no_grad():
-                model = self.regression()
-                out = model(torch.cat([batch["state"], batch["background"], batch["invariants"]], dim=1))
-                reg = (batch["state"] + out if self._regression_residual else out).float()
-        parts = {"state": batch["state"], "background": batch["background"], "invariants": batch["invariants"],
-                 "regression": reg}
-        cond = torch.cat([parts[c].float() for c in self.cfg.conditions], dim=1) if self.cfg.conditions else None
+        with torch.no_grad():
+            reg, cond = condition_inputs(self.regression() if self.cfg.needs_regression else None,
+                                         self._regression_residual, self.cfg.conditions, batch["state"],
+                                         batch["background"], batch["invariants"])
         target = batch["target"].float()
         base = reg if self.cfg.residual else None
         return (target - base if base is not None else target), cond, base
@@ -195,24 +204,4 @@ class DiffusionTask(RegressionTask):
         fields, self._figure_fields = self._figure_fields, None
         names = list(self.data_cfg.hrrr_channels)
         chans = [names.index(c) for c in (self.cfg.plot_channels or names[:1])]
-        picked = {k: v[chans] for k, v in fields.items()}
-        if self.domain is not None:
-            from framework.domain.shard_tensor import ShardTensor
-
-            picked = {k: ShardTensor.from_local(v[None], self.domain.group).full_tensor()[0]
-                      for k, v in picked.items()}
-        if not self.env.is_main:
-            return {}
-        from recipes.stormcast.plots import field_figure, spectra_figure
-
-        ds = self.val_dataset()
-        out, title = {}, f"{self.run.recipe}, step {step}: first validation sample"
-        for j, c in enumerate(chans):
-            name = names[c]
-            mean, std = float(ds.hrrr_means[c]), float(ds.hrrr_stds[c])
-            phys = {k: v[j].cpu().double().numpy() * std + mean for k, v in picked.items()}
-            out[f"fields/{name}"] = str(field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name,
-                                                     phys["truth"], phys["member 0"], title))
-            out[f"spectra/{name}"] = str(spectra_figure(Path(out_dir) / f"spectrum_{step:08d}_{name}.png", name,
-                                                        phys, title))
-        return out
+        return self.draw_fields(out_dir, step, {k: v[chans] for k, v in fields.items()}, chans, "member 0")

@@ -57,6 +57,7 @@ class Forecaster:
 
         self.device, self.seed = device, seed
         self.reg = self.reg_info = self.diff = self.diff_info = None
+        self.conditions, self.reg_residual = [], False
         if diffusion is not None:
             self.diff, self.diff_info = weights.load(diffusion, device)
             task = self.diff_info.task
@@ -75,6 +76,7 @@ class Forecaster:
             self.reg, self.reg_info = weights.load(regression, device)
             if self.reg_info.task.get("name") != "stormcast_regression":
                 raise ConfigError(f"--regression: {regression} holds a {self.reg_info.task.get('name')!r} model")
+            self.reg_residual = bool(self.reg_info.task.get("residual"))
         if self.reg is None and self.diff is None:
             raise ConfigError("give --diffusion, --regression or both")
         if self.reg is not None and self.diff is not None:
@@ -90,16 +92,12 @@ class Forecaster:
     def step(self, state, background, invariants, lead: int) -> torch.Tensor:
         from framework.domain import draws
         from recipes.stormcast import edm
+        from recipes.stormcast.diffusion import condition_inputs
 
-        reg = None
         with self.autocast:
-            if self.reg is not None:
-                out = self.reg(torch.cat([state, background, invariants], dim=1)).float()
-                reg = state + out if self.reg_info.task.get("residual") else out
+            reg, cond = condition_inputs(self.reg, self.reg_residual, self.conditions, state, background, invariants)
             if self.diff is None:
                 return reg
-            parts = {"state": state, "background": background, "invariants": invariants, "regression": reg}
-            cond = torch.cat([parts[c] for c in self.conditions], dim=1) if self.conditions else None
             keys = [(self.seed, lead, m) for m in range(state.shape[0])]
             noise = lambda k: draws.field_normal(k, state.shape[1:], device=state.device)  # noqa: E731
             sample = edm.heun_sample(lambda x, s: self.diff(x, s, cond), noise(keys),

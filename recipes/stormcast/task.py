@@ -133,36 +133,40 @@ class RegressionTask:
         }
 
     def val_figures(self, out_dir, step: int) -> dict:
-        """Truth / prediction / error of the first channel of the first validation sample.
+        """Truth / prediction / error of the first channel of the first validation sample."""
+        if self._figure is None:
+            return {}
+        (truth, pred), self._figure = self._figure, None
+        return self.draw_fields(out_dir, step, {"truth": truth[None], "prediction": pred[None]}, [0], "prediction")
+
+    def draw_fields(self, out_dir, step: int, fields: dict, channels: list[int], shown: str) -> dict:
+        """Field and spectrum figures of ``fields`` ({label: (len(channels), rows, W)}, normalised),
+        one pair per HRRR channel index in ``channels``; the field figure shows ``fields[shown]``
+        against ``fields["truth"]``.
 
         Domain ranks hold bands of rows: the fields are gathered (ShardTensor) before the
         global rank 0 draws them. Returns {name: png path} on that rank, else {}.
         """
         from pathlib import Path
 
-        from framework.domain.shard_tensor import ShardTensor
-
-        if self._figure is None:
-            return {}
-        truth, pred = self._figure
-        self._figure = None
         if self.domain is not None:
-            truth = ShardTensor.from_local(truth[None, None], self.domain.group).full_tensor()[0, 0]
-            pred = ShardTensor.from_local(pred[None, None], self.domain.group).full_tensor()[0, 0]
+            from framework.domain.shard_tensor import ShardTensor
+
+            fields = {k: ShardTensor.from_local(v[None], self.domain.group).full_tensor()[0] for k, v in fields.items()}
         if not self.env.is_main:
             return {}
         from recipes.stormcast.plots import field_figure, spectra_figure
 
-        name = self.data_cfg.hrrr_channels[0]
-        ds = self.val_dataset()
-        mean, std = float(ds.hrrr_means[0]), float(ds.hrrr_stds[0])
-        to_np = lambda t: t.cpu().double().numpy() * std + mean  # noqa: E731  physical units
-        title = f"{self.run.recipe}, step {step}: first validation sample"
-        t, p = to_np(truth), to_np(pred)
-        fields = field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name, t, p, title)
-        spectra = spectra_figure(Path(out_dir) / f"spectrum_{step:08d}_{name}.png", name,
-                                 {"truth": t, "prediction": p}, title)
-        return {f"fields/{name}": str(fields), f"spectra/{name}": str(spectra)}
+        ds, names = self.val_dataset(), self.data_cfg.hrrr_channels
+        out, title = {}, f"{self.run.recipe}, step {step}: first validation sample"
+        for j, c in enumerate(channels):
+            name, mean, std = names[c], float(ds.hrrr_means[c]), float(ds.hrrr_stds[c])
+            phys = {k: v[j].cpu().double().numpy() * std + mean for k, v in fields.items()}  # physical units
+            out[f"fields/{name}"] = str(field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name,
+                                                     phys["truth"], phys[shown], title))
+            out[f"spectra/{name}"] = str(spectra_figure(Path(out_dir) / f"spectrum_{step:08d}_{name}.png", name,
+                                                        phys, title))
+        return out
 
     def val_summary(self, sums: dict[str, torch.Tensor]) -> dict:
         mse = (sums["se_model"] / sums["count"]).cpu()

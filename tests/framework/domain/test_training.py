@@ -7,16 +7,14 @@ splits; a checkpoint written under fsdp2_domain resumes under parallel=none.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from framework.logging.jsonl import read
 from scripts.loss_compare import compare
-from tests.conftest import REPO
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,12 +34,8 @@ COMMON = ["deterministic=true", f"trainer.max_steps={STEPS}", "trainer.log_every
 
 
 def launch(overrides: list[str], nproc: int, run_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "framework"] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         "-m", "framework"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([*launcher, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
+    return run_cli([*overrides, f"hydra.run.dir={run_dir}"], cwd, env={"OMP_NUM_THREADS": "1"}, timeout=300,
+                   nproc=nproc)
 
 
 @pytest.fixture(scope="module")

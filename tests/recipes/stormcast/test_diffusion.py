@@ -8,9 +8,7 @@ validation scores, and the whole workflow ends in an inference store.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +16,7 @@ import pytest
 
 from framework.logging.jsonl import read
 from scripts.loss_compare import compare
-from tests.conftest import REPO
+from tests.conftest import run_cli, run_module
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,18 +26,8 @@ DIFF = ["recipe=tiny_diffusion", "task.sampler.num_steps=3", "task.val_members=2
         "trainer.progress=false", "schedule.warmup_steps=2"]
 
 
-def cli(args: list[str], cwd: Path, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "framework"] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-         "framework"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
-    return subprocess.run([*launcher, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-
-
-def module(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", name, *args], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=300)
+def cli(args, cwd: Path, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    return run_cli(args, cwd, env={"OMP_NUM_THREADS": "1"}, timeout=timeout, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +42,7 @@ def stage1(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = run / "checkpoints" / "step_00000020"
     export = tmp / "regression.pt"
-    proc = module("framework.export", [str(ckpt), str(export)], tmp)
+    proc = run_module("framework.export", [str(ckpt), str(export)], tmp)
     assert proc.returncode == 0, proc.stderr
     return tmp, data, run, export
 
@@ -112,13 +100,13 @@ def test_two_stage_workflow_ends_in_a_forecast_store(stage1):
                 "trainer.max_steps=4", "trainer.log_every=2", "trainer.val_every=4", "checkpoint.every=4"], tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff_pt = tmp / "diffusion.pt"
-    proc = module("framework.export", [str(run / "checkpoints" / "step_00000004"), str(diff_pt)], tmp)
+    proc = run_module("framework.export", [str(run / "checkpoints" / "step_00000004"), str(diff_pt)], tmp)
     assert proc.returncode == 0, proc.stderr
     side = json.loads(diff_pt.with_suffix(".json").read_text())
     assert side["task"]["name"] == "stormcast_diffusion" and side["in_channels"] == 4 + 4 + 4 + 2
 
     out = tmp / "forecast.zarr"
-    proc = module("recipes.stormcast.inference", [
+    proc = run_module("recipes.stormcast.inference", [
         "--diffusion", str(diff_pt), "--data-root", str(data), "--start", "2021-01-01T02", "--hours", "3",
         "--members", "2", "--out", str(out), "--plot-channels", "u10m", "t2m", "--no-progress"], tmp)
     assert proc.returncode == 0, proc.stderr
@@ -145,7 +133,7 @@ def test_inference_is_reproducible_and_refuses_bad_input(stage1):
     base = ["--regression", str(export), "--data-root", str(data), "--hours", "2", "--no-progress"]
     a, b = tmp / "reg_a.zarr", tmp / "reg_b.zarr"
     for out in (a, b):
-        proc = module("recipes.stormcast.inference", [*base, "--start", "2021-01-01T00", "--out", str(out)], tmp)
+        proc = run_module("recipes.stormcast.inference", [*base, "--start", "2021-01-01T00", "--out", str(out)], tmp)
         assert proc.returncode == 0, proc.stderr
     import zarr
 
@@ -159,7 +147,7 @@ def test_inference_is_reproducible_and_refuses_bad_input(stage1):
         (["--start", "2021-01-01T00", "--plot-channels", "nope", "--out", str(tmp / "c.zarr")], 2, "'nope'"),
     ]
     for extra, code, text in cases:
-        proc = module("recipes.stormcast.inference", [*base, *extra], tmp)
+        proc = run_module("recipes.stormcast.inference", [*base, *extra], tmp)
         assert proc.returncode == code, (extra, proc.stderr)
         assert text in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -4,9 +4,7 @@ single-process losses, a 2-D mesh checkpoint resumes, and inference runs on it (
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +12,7 @@ import pytest
 
 from framework.logging.jsonl import read
 from scripts.loss_compare import compare
-from tests.conftest import REPO
+from tests.conftest import run_cli, run_module
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -26,11 +24,7 @@ BASE = ["recipe=tiny_stormscope", "data.grid=[18,16]", "data.hours_per_year=48",
 
 
 def cli(args, cwd: Path, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "framework"] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-         "framework"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
-    return subprocess.run([*launcher, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    return run_cli(args, cwd, env={"OMP_NUM_THREADS": "1"}, timeout=timeout, nproc=nproc)
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -61,11 +55,9 @@ def test_stormscope_learns_and_rolls_out(tmp):
     row = read(run / "metrics.jsonl", "train")[-1]
     assert row["tflops"] == pytest.approx(flops * row["samples_per_s"] / 1e12, rel=1e-6)
     out = tmp / "scope.zarr"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "recipes.stormcast.inference", "--diffusion", str(run),
-                           "--data-root", str(tmp / "data"), "--start", "2021-01-01T00", "--hours", "2",
-                           "--members", "2", "--out", str(out), "--no-progress"],
-                          capture_output=True, text=True, env=env, cwd=tmp, timeout=300)
+    proc = run_module("recipes.stormcast.inference", [
+        "--diffusion", str(run), "--data-root", str(tmp / "data"), "--start", "2021-01-01T00", "--hours", "2",
+        "--members", "2", "--out", str(out), "--no-progress"], tmp)
     assert proc.returncode == 0, proc.stderr
     g = zarr.open_group(str(out), mode="r")
     assert g["forecast"].shape == (2, 2, 3, 18, 16) and g.attrs["channels"] == ["abi08", "abi13", "refc"]
