@@ -7,6 +7,9 @@ one's time and peak memory and their ratios to dense.
     python benchmarks/natten.py --device cpu --grid 16 20 --kernel 7
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16   # StormScope 512x640
 
+flex runs twice: over 8 x 16 token tiles (what the DiT uses) and in row-major token order
+(``flex-rows``), whose 128-token blocks are slivers of one row.
+
 Peak memory is what the call adds on top of its inputs: CUDA's allocator peak, or on CPU the
 process RSS sampled every millisecond by a thread (coarse, but enough for ratios).
 """
@@ -108,8 +111,9 @@ def measure(fn, q, k, v, kernel, iters, warmup):
     return statistics.median(times), mem.peak
 
 
-IMPLS = {"flex": flex_neighbourhood_attention, "reference": reference_neighbourhood_attention,
-         "dense": dense_neighbourhood_attention}
+IMPLS = {"flex": flex_neighbourhood_attention,  # 8 x 16 token tiles per flex block
+         "flex-rows": lambda q, k, v, kernel: flex_neighbourhood_attention(q, k, v, kernel, tiled=False),
+         "reference": reference_neighbourhood_attention, "dense": dense_neighbourhood_attention}
 
 
 def run_one(a, name) -> None:
@@ -158,10 +162,10 @@ def main(argv=None):
           + ("" if device.type == "cuda" else f"; {a.threads or torch.get_num_threads()} CPU threads"))
     print(f"keys per query: neighbourhood {min(a.kernel, rows) * min(a.kernel, cols)}, dense {tokens}")
 
-    names = ["flex", "reference"] + ([] if a.skip_dense else ["dense"])
+    names = ["flex", "flex-rows", "reference"] + ([] if a.skip_dense else ["dense"])
     if device.type != "cuda":  # torch 2.13's CPU flex has no backward, so it cannot run forward+backward
         print("flex: skipped (no flex_attention backward on CPU)")
-        names.remove("flex")
+        names = names[2:]
     results = {}
     for name in names:  # one process each: clean peaks, and an OOM (even the kernel's) cannot take us down
         proc = subprocess.run([sys.executable, __file__, *argv, "--only", name], capture_output=True, text=True)

@@ -149,8 +149,57 @@ def reference_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int
 
 # Flex's sparse block size (tokens per query and key block), as create_block_mask's default.
 _FLEX_BLOCK = 128
+# 2-D token tile that fills one flex block. In row-major order a 128-token block is under one
+# row of a wide grid, so a query block's windows reach ~kernel rows of whole-row key blocks;
+# an 8 x 16 tile reaches (8 + kernel - 1) x (16 + kernel - 1) tokens: ~2x fewer key blocks
+# at kernel 31.
+_TILE = (8, 16)
 # Token-mask elements one step of the block classification may hold (bool): 16 MiB.
 _BLOCK_SCAN_BUDGET = 1 << 24
+
+
+def tile_shape(rows: int, w: int, tiled: bool = True) -> tuple[int, int]:
+    """Token tile of the flattened order: ``_TILE`` where the grid holds several flex blocks
+    and is wide enough, else (1, w), which is plain row-major order."""
+    th, tw = _TILE
+    return (th, tw) if tiled and w >= tw and rows * w > 2 * _FLEX_BLOCK else (1, w)
+
+
+def _positions(rows: int, w: int, tile: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of every position of the tiled order: tiles row-major, tokens row-major in a
+    tile; rows and columns padded up to whole tiles."""
+    th, tw = tile
+    rp, wp = -(-rows // th) * th, -(-w // tw) * tw
+    return _tile_rc(torch.arange(rp * wp, device=device), tile, wp // tw)
+
+
+def _tile_rc(idx, tile: tuple[int, int], tiles_per_row: int):
+    """Tiled flattened index -> (row, col); the same arithmetic serves tensors and flex's mask_mod."""
+    th, tw = tile
+    t, e = idx // (th * tw), idx % (th * tw)
+    return (t // tiles_per_row) * th + e // tw, (t % tiles_per_row) * tw + e % tw
+
+
+def to_tiles(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """(B, heads, rows, W, d) -> (B, heads, tokens, d) in the tiled order (zero padding)."""
+    th, tw = tile
+    b, h, rows, w, d = x.shape
+    if tile == (1, w):
+        return x.reshape(b, h, rows * w, d)
+    x = F.pad(x, (0, 0, 0, -w % tw, 0, -rows % th))
+    rp, wp = x.shape[2], x.shape[3]
+    return x.view(b, h, rp // th, th, wp // tw, tw, d).transpose(3, 4).reshape(b, h, rp * wp, d)
+
+
+def from_tiles(x: torch.Tensor, tile: tuple[int, int], rows: int, w: int) -> torch.Tensor:
+    """Inverse of :func:`to_tiles`, cropping the padding."""
+    th, tw = tile
+    b, h, _, d = x.shape
+    if tile == (1, w):
+        return x.reshape(b, h, rows, w, d)
+    rp, wp = -(-rows // th) * th, -(-w // tw) * tw
+    x = x.view(b, h, rp // th, wp // tw, th, tw, d).transpose(3, 4).reshape(b, h, rp, wp, d)
+    return x[:, :, :rows, :w]
 
 
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,40 +210,61 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_flags(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
-                device, block: int = _FLEX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial, full): bool (query blocks, key blocks) of the flattened band's token mask.
+                device, block: int = _FLEX_BLOCK, tile: tuple[int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full): bool (query blocks, key blocks) of the band's token mask in the tiled
+    order (``tile``; default row-major).
 
     A block pair is *full* when every query in it sees every key in it (flex then skips the
     mask there), *partial* when some do. The token mask factorises into a row mask and a column
     mask, so it is evaluated a few query blocks at a time in plain tensor ops: exact, bounded
-    memory, and nothing to compile. Blocks past the sequence ends count as masked, so a ragged
-    last block is never full (as in ``create_block_mask``).
+    memory, and nothing to compile. Padding keys and blocks past the sequence ends count as
+    masked, so a ragged last block is never full (as in ``create_block_mask``).
     """
-    q_len, kv_len = hq * w, hk * w
+    tile = tile or (1, w)
+    qr, qc = _positions(hq, w, tile, device)
+    kr, kc = _positions(hk, w, tile, device)
+    q_len, kv_len = len(qr), len(kr)
     nq, nk = -(-q_len // block), -(-kv_len // block)
-    rows = _axis_mask(torch.arange(hq, device=device) + q_row_offset,
-                      torch.arange(hk, device=device) + kv_row_offset, kernel, grid_rows)
-    c = torch.arange(w, device=device)
+    rows = _axis_mask(torch.arange(int(qr.max()) + 1, device=device) + q_row_offset,
+                      torch.arange(int(kr.max()) + 1, device=device) + kv_row_offset, kernel, grid_rows)
+    c = torch.arange(int(kc.max()) + 1, device=device)
     cols = _axis_mask(c, c, kernel, w)
-    kt = torch.arange(kv_len, device=device)
-    k_row, k_col = kt // w, kt % w
+    k_valid = (kr < hk) & (kc < w)
     partial = torch.zeros(nq, nk, dtype=torch.bool, device=device)
     full = torch.zeros_like(partial)
     step = max(1, _BLOCK_SCAN_BUDGET // (block * nk * block))
     for b0 in range(0, nq, step):
         b1 = min(nq, b0 + step)
-        qt = torch.arange(b0 * block, min(b1 * block, q_len), device=device)
-        m = rows[qt // w][:, k_row] & cols[qt % w][:, k_col]
-        m = F.pad(m, (0, nk * block - kv_len, 0, (b1 - b0) * block - len(qt)))
+        qt = slice(b0 * block, min(b1 * block, q_len))
+        m = rows[qr[qt]][:, kr] & cols[qc[qt]][:, kc] & k_valid
+        m = F.pad(m, (0, nk * block - kv_len, 0, (b1 - b0) * block - m.shape[0]))
         seen = m.view(b1 - b0, block, nk, block).sum((1, 3))
         full[b0:b1] = seen == block * block
         partial[b0:b1] = (seen > 0) & ~full[b0:b1]
     return partial, full
 
 
+def mask_mod_for(hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
+                 tile: tuple[int, int]):
+    """flex mask_mod of the band in the tiled order; the same clamped-window rule as _axis_mask."""
+    kr, kc, r = min(kernel, grid_rows), min(kernel, w), kernel // 2
+    per_row = -(-w // tile[1])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qi, qj = _tile_rc(q_idx, tile, per_row)
+        ki, kj = _tile_rc(kv_idx, tile, per_row)
+        rs = (qi + q_row_offset - r).clamp(0, grid_rows - kr)
+        cs = (qj - r).clamp(0, w - kc)
+        ki = ki + kv_row_offset
+        return (ki < hk + kv_row_offset) & (kj < w) & (ki >= rs) & (ki < rs + kr) & (kj >= cs) & (kj < cs + kc)
+
+    return mask_mod
+
+
 @functools.lru_cache(maxsize=64)
 def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
-                device: torch.device):
+                device: torch.device, tile: tuple[int, int]):
     """Flex block mask for one band geometry, cached per geometry.
 
     Built from :func:`block_flags` rather than ``create_block_mask``: compiling that (the only
@@ -202,20 +272,11 @@ def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row
     materialises the whole (Q, KV) mask at once. The mask_mod is still needed: flex applies it
     inside partial blocks.
     """
-    kr, kc = min(kernel, grid_rows), min(kernel, w)
-    r = kernel // 2
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        # Flattened row-major token index -> global (row, col); same clamped-window rule as _axis_mask.
-        qi, qj = q_idx // w + q_row_offset, q_idx % w
-        ki, kj = kv_idx // w + kv_row_offset, kv_idx % w
-        rs = (qi - r).clamp(0, grid_rows - kr)
-        cs = (qj - r).clamp(0, w - kc)
-        return (ki >= rs) & (ki < rs + kr) & (kj >= cs) & (kj < cs + kc)
-
-    partial, full = block_flags(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, device)
-    return _flex_api()[0].from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=_FLEX_BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(hq * w, hk * w))
+    partial, full = block_flags(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, device, tile=tile)
+    lengths = (len(_positions(hq, w, tile, "cpu")[0]), len(_positions(hk, w, tile, "cpu")[0]))
+    return _flex_api()[0].from_kv_blocks(
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=_FLEX_BLOCK, seq_lengths=lengths,
+        mask_mod=mask_mod_for(hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, tile))
 
 
 @functools.cache
@@ -226,20 +287,20 @@ def _compiled_flex():
 
 
 def flex_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0,
-                                 grid_rows: int | None = None) -> torch.Tensor:
-    """flex_attention over the flattened (row-major) tokens, skipping blocks no window touches."""
+                                 grid_rows: int | None = None, tiled: bool = True) -> torch.Tensor:
+    """flex_attention over the flattened tokens (8 x 16 tiles, or row-major with ``tiled=False``
+    or on small grids), skipping blocks no window touches."""
     if _flex_api() is None:
         raise NotImplementedError("this torch has no torch.nn.attention.flex_attention")
     grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
-    b, h, hq, w, d = q.shape
-    hk = k.shape[2]
-    mask = _block_mask(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device)
+    hq, w, hk = q.shape[2], q.shape[3], k.shape[2]
+    tile = tile_shape(max(hq, hk), w, tiled)
+    mask = _block_mask(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device, tile)
     fn = _compiled_flex() if q.device.type == "cuda" else _flex_api()[1]
     with warnings.catch_warnings():  # eager (CPU) flex warns that it is not compiled: that is the point here
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        out = fn(q.reshape(b, h, hq * w, d), k.reshape(b, h, hk * w, d), v.reshape(b, h, hk * w, d),
-                 block_mask=mask)
-    return out.reshape(b, h, hq, w, d)
+        out = fn(to_tiles(q, tile), to_tiles(k, tile), to_tiles(v, tile), block_mask=mask)
+    return from_tiles(out, tile, hq, w)
 
 
 _warned_fallback = False

@@ -76,15 +76,31 @@ def test_auto_on_cpu_equals_dense(rows, cols, kernel):
     torch.testing.assert_close(neighbourhood_attention(q, k, v, kernel), dense_neighbourhood_attention(q, k, v, kernel))
 
 
+# grids big enough for 8 x 16 token tiles: whole tiles, and padding on both axes
+TILED = [(24, 32, 7), (17, 33, 9), (40, 20, 5)]
+
+
 @pytest.mark.skipif(not flex_runs_on_cpu(), reason="flex_attention does not run on CPU in this torch")
-@pytest.mark.parametrize("rows,cols,kernel", CASES)
-def test_flex_equals_dense_forward(rows, cols, kernel):
+@pytest.mark.parametrize("rows,cols,kernel", CASES + TILED)
+@pytest.mark.parametrize("tiled", [True, False])
+def test_flex_equals_dense_forward(rows, cols, kernel, tiled):
     # CPU flex has no backward in torch 2.13: forward only here, backward is covered on GPU.
     q, k, v = (t.detach().float() for t in qkv(rows, cols))
     from recipes.stormscope.natten import flex_neighbourhood_attention
 
-    torch.testing.assert_close(flex_neighbourhood_attention(q, k, v, kernel),
+    torch.testing.assert_close(flex_neighbourhood_attention(q, k, v, kernel, tiled=tiled),
                                dense_neighbourhood_attention(q, k, v, kernel), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,cols,kernel", TILED)
+def test_tiled_order_round_trips_and_is_used_on_big_grids(rows, cols, kernel):
+    x = qkv(rows, cols, requires_grad=False)[0]
+    tile = natten.tile_shape(rows, cols)
+    assert tile == natten._TILE
+    flat = natten.to_tiles(x, tile)
+    assert flat.shape[2] % (tile[0] * tile[1]) == 0
+    assert torch.equal(flat[:, :, :tile[1]], x[:, :, 0, :tile[1]])  # the first tile's first row
+    assert torch.equal(natten.from_tiles(flat, tile, rows, cols), x)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="flex has a backward on CUDA")
@@ -197,11 +213,32 @@ def test_block_mask_equals_torchs_create_block_mask():
         return (ki // w + ko >= rs) & (ki // w + ko < rs + kr) & (ki % w >= cs) & (ki % w < cs + kernel)
 
     want = create_block_mask(mask_mod, None, None, hq * w, hk * w, device="cpu")
-    got = natten._block_mask(hq, hk, w, kernel, qo, ko, grid, torch.device("cpu"))
+    got = natten._block_mask(hq, hk, w, kernel, qo, ko, grid, torch.device("cpu"), (1, w))
     assert got.seq_lengths == want.seq_lengths
+    assert_same_blocks(got, want)
+
+
+def assert_same_blocks(got, want):
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                  "q_indices", "full_q_num_blocks", "full_q_indices"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("hq,hk,w,kernel,qo,ko,grid", BANDS)
+@pytest.mark.parametrize("tile", [(2, 8), (4, 4)])
+def test_tiled_block_flags_equal_create_block_mask_of_the_tiled_mask_mod(hq, hk, w, kernel, qo, ko, grid, tile):
+    # The mask_mod is checked against dense attention by the flex tests; here block_flags must
+    # classify its blocks exactly, padding keys included.
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    block = tile[0] * tile[1]
+    mask_mod = natten.mask_mod_for(hk, w, kernel, qo, ko, grid, tile)
+    lengths = [len(natten._positions(n, w, tile, "cpu")[0]) for n in (hq, hk)]
+    want = create_block_mask(mask_mod, None, None, *lengths, device="cpu", BLOCK_SIZE=block)
+    partial, full = block_flags(hq, hk, w, kernel, qo, ko, grid, "cpu", block=block, tile=tile)
+    got = BlockMask.from_kv_blocks(*natten._ordered(partial), *natten._ordered(full), BLOCK_SIZE=block,
+                                   mask_mod=mask_mod, seq_lengths=tuple(lengths))
+    assert_same_blocks(got, want)
 
 
 @pytest.mark.gpu
