@@ -21,11 +21,14 @@ def compose():
 
 def run_cli(args, cwd, env=None, timeout=600, nproc=1):
     """Run ``python -m framework`` as a user would (under torchrun for ``nproc`` > 1); returns the
-    CompletedProcess. The checkout is on PYTHONPATH, so a run from any ``cwd`` imports this tree."""
+    CompletedProcess. The checkout is on PYTHONPATH (after any PYTHONPATH in ``env``), so a run
+    from any ``cwd`` imports this tree."""
     launcher = [sys.executable, "-m", "framework"] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "framework"]
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **(env or {}))
+    env = dict(env or {})
+    # the caller's PYTHONPATH first (a test may shadow a package), then this checkout
+    path = os.pathsep.join(filter(None, [env.pop("PYTHONPATH", None), str(REPO), os.environ.get("PYTHONPATH")]))
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **env)
     return subprocess.run([*launcher, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
