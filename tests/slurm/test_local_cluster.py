@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,19 +131,33 @@ def test_srun_two_nodes(tmp_path, data_root):
     assert "dp_shard=4" in (tmp_path / "run" / "framework.log").read_text()
 
 
+def _sbatch_and_wait(args: list[str], cwd: Path, timeout: float = 240) -> tuple[str, str]:
+    """Submit and poll every half second until the job ends: (JobState, ExitCode). sbatch --wait
+    polls with a backoff up to 32 s, which tripled this test's time."""
+    sub = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=30)
+    assert sub.returncode == 0, f"sbatch failed: {sub.stderr}"
+    job, t0 = sub.stdout.strip().split(";")[0], time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        info = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
+        fields = dict(kv.split("=", 1) for kv in info.split() if "=" in kv)
+        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return fields["JobState"], fields.get("ExitCode", "")
+        time.sleep(0.5)
+    subprocess.run(["scancel", job])
+    pytest.fail(f"job {job} still running after {timeout} s")
+
+
 def test_sbatch_template(tmp_path, data_root):
     """slurm/train.sbatch on the local cluster (CPU: no GPUs, 2 tasks)."""
     _need_cluster()
     args = [a for a in tiny_overrides(tmp_path, data_root, parallel="ddp", device="cpu")
             if not a.startswith("hydra.run.dir=")]
-    proc = subprocess.run(
-        ["sbatch", "--wait", "--partition=debug", "--gpus-per-node=0", "--nodes=1",
-         "--ntasks-per-node=2", "--cpus-per-task=1", "--mem=1G", "--time=10",
-         f"--output={tmp_path}/slurm-%j.out", f"--export=ALL,RUN_DIR={tmp_path / 'run'}",
-         str(REPO / "slurm" / "train.sbatch"), *args],
-        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    state, code = _sbatch_and_wait(
+        ["--partition=debug", "--gpus-per-node=0", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+         "--mem=1G", "--time=10", f"--output={tmp_path}/slurm-%j.out", f"--export=ALL,RUN_DIR={tmp_path / 'run'}",
+         str(REPO / "slurm" / "train.sbatch"), *args], tmp_path)
     logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
-    assert proc.returncode == 0, f"sbatch --wait exited {proc.returncode}\n{proc.stderr}\n{logs[-4000:]}"
+    assert (state, code) == ("COMPLETED", "0:0"), f"job ended {state} (exit {code})\n{logs[-4000:]}"
     rows = _train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert "dp_shard=2" in (tmp_path / "run" / "framework.log").read_text()
