@@ -39,60 +39,77 @@ def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, 
 
 
 class _Halo(torch.autograd.Function):
+    """``x`` with ``plan[rank][0]`` rows of the previous band above it and ``plan[rank][1]`` rows of
+    the next band below it, along ``dim``; rows wanted beyond a global edge are zeros (zero
+    padding). The backward returns the halo rows' gradients to their owners."""
+
     @staticmethod
-    def forward(ctx, x, halo: int, dg: DomainGroup, dim: int):
-        ctx.halo, ctx.dg, ctx.dim = halo, dg, dim
-        n = x.shape[dim]
-        prev, nxt = dg.rank - 1, dg.rank + 1
-        top_shape = list(x.shape)
-        top_shape[dim] = halo
-        top = x.new_zeros(top_shape)  # the global boundary: zero rows, as zero padding
-        bottom = x.new_zeros(top_shape)
-        sends, recvs = [], []
-        if prev >= 0:
-            sends.append((x.narrow(dim, 0, halo), prev))
-            recvs.append((top, prev))
-        if nxt < dg.size:
-            sends.append((x.narrow(dim, n - halo, halo), nxt))
-            recvs.append((bottom, nxt))
+    def forward(ctx, x, plan, dg: DomainGroup, dim: int):
+        ctx.plan, ctx.dg, ctx.dim = plan, dg, dim
+        r, n = dg.rank, x.shape[dim]
+        top, bottom = plan[r]
+        rows = lambda k: x.new_zeros(*x.shape[:dim], k, *x.shape[dim + 1:])  # noqa: E731
+        parts, sends, recvs = [x], [], []
+        if top:
+            parts.insert(0, rows(top))
+            if r > 0:
+                recvs.append((parts[0], r - 1))
+        if bottom:
+            parts.append(rows(bottom))
+            if r + 1 < dg.size:
+                recvs.append((parts[-1], r + 1))
+        if r > 0 and plan[r - 1][1]:  # the previous band's bottom halo is my first rows
+            sends.append((x.narrow(dim, 0, plan[r - 1][1]), r - 1))
+        if r + 1 < dg.size and plan[r + 1][0]:  # the next band's top halo is my last rows
+            sends.append((x.narrow(dim, n - plan[r + 1][0], plan[r + 1][0]), r + 1))
         _p2p(sends, recvs, dg)
-        return torch.cat([top, x, bottom], dim=dim)
+        return torch.cat(parts, dim) if len(parts) > 1 else x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        h, dg, dim = ctx.halo, ctx.dg, ctx.dim
-        n = g.shape[dim] - 2 * h
-        grad = g.narrow(dim, h, n).clone()
-        prev, nxt = dg.rank - 1, dg.rank + 1
-        from_prev = torch.zeros_like(g.narrow(dim, 0, h))
-        from_next = torch.zeros_like(from_prev)
+        plan, dg, dim = ctx.plan, ctx.dg, ctx.dim
+        r = dg.rank
+        top, bottom = plan[r]
+        n = g.shape[dim] - top - bottom
+        grad = g.narrow(dim, top, n).clone()
         sends, recvs = [], []
-        if prev >= 0:  # my top halo rows were prev's last rows: their gradient goes back
-            sends.append((g.narrow(dim, 0, h), prev))
-            recvs.append((from_prev, prev))
-        if nxt < dg.size:
-            sends.append((g.narrow(dim, h + n, h), nxt))
-            recvs.append((from_next, nxt))
+        if top and r > 0:
+            sends.append((g.narrow(dim, 0, top), r - 1))
+        if bottom and r + 1 < dg.size:
+            sends.append((g.narrow(dim, top + n, bottom), r + 1))
+        from_prev = from_next = None
+        if r > 0 and plan[r - 1][1]:
+            from_prev = grad.new_empty(*grad.shape[:dim], plan[r - 1][1], *grad.shape[dim + 1:])
+            recvs.append((from_prev, r - 1))
+        if r + 1 < dg.size and plan[r + 1][0]:
+            from_next = grad.new_empty(*grad.shape[:dim], plan[r + 1][0], *grad.shape[dim + 1:])
+            recvs.append((from_next, r + 1))
         _p2p(sends, recvs, dg)
-        if prev >= 0:
-            grad.narrow(dim, 0, h).add_(from_prev)
-        if nxt < dg.size:
-            grad.narrow(dim, n - h, h).add_(from_next)
+        if from_prev is not None:
+            grad.narrow(dim, 0, from_prev.shape[dim]).add_(from_prev)
+        if from_next is not None:
+            grad.narrow(dim, n - from_next.shape[dim], from_next.shape[dim]).add_(from_next)
         return grad, None, None, None
+
+
+def halo_rows(x: torch.Tensor, plan, dg: DomainGroup, dim: int = 2) -> torch.Tensor:
+    """Differentiable halo exchange of any widths: rank r gets ``plan[r] = (above, below)`` rows
+    from its neighbours along ``dim`` (zeros beyond the global edges). Every rank must pass the
+    same plan, and a neighbour must hold at least the rows asked of it."""
+    if not any(map(any, plan)):
+        return x
+    return _Halo.apply(x, tuple(map(tuple, plan)), dg, dim)
 
 
 def halo_exchange(x: torch.Tensor, halo: int, dg: DomainGroup, dim: int = 2) -> torch.Tensor:
     """``x`` with ``halo`` neighbour rows (zeros at the global edges) on both sides of ``dim``."""
     if halo == 0:
         return x
-    if dg.size == 1:  # the whole domain: only the zero edges
-        edge = x.new_zeros(*x.shape[:dim], halo, *x.shape[dim + 1:])
-        return torch.cat([edge, x, edge], dim)
     thinnest = min(dg.extents_like(x.shape[dim])) if dim == 2 else x.shape[dim]
-    if thinnest < halo:  # checked on every rank alike, so all of them stop, none waits
+    if dg.size > 1 and thinnest < halo:  # checked on every rank alike, so all of them stop, none waits
         raise ValueError(f"a domain rank holds {thinnest} rows but the layer needs a halo of {halo}: "
                          "use fewer domain ranks or a larger grid")
-    return _Halo.apply(x, halo, dg, dim)
+    return halo_rows(x, ((halo, halo),) * dg.size, dg, dim)
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -6,8 +6,8 @@ patch rows is a band of token rows, and only neighbourhood attention mixes rows:
 * ``NeighbourhoodAttention``: project the band at its global patch-row offset (rope at global
   rows), fetch exactly the key/value rows its windows reach from the two neighbouring bands
   (``natten.kv_rows_needed``: ``kernel // 2`` rows for an interior band, more or fewer near a
-  grid edge, where windows are clamped inward), attend in global coordinates. The halo's
-  backward sends the key/value gradients to the rows' owners.
+  grid edge, where windows are clamped inward) with ``comm.halo_rows``, attend in global
+  coordinates. The halo's backward sends the key/value gradients to the rows' owners.
 * ``PosEmbed2d``: adds the band's rows of the learned table.
 * ``PatchEmbed``: local on bands of whole patches (its strided conv is not a general
   row-splittable conv, so the rule answers for it).
@@ -27,7 +27,7 @@ import functools
 import torch
 
 from framework.domain import splitter
-from framework.domain.comm import DomainGroup, _p2p
+from framework.domain.comm import DomainGroup, halo_rows
 from framework.errors import ConfigError
 from recipes.stormscope import dit
 from recipes.stormscope.natten import kv_rows_needed
@@ -67,62 +67,6 @@ def halo_plan(extents: tuple[int, ...], kernel: int) -> tuple[tuple[int, int], .
                 "or a smaller kernel)")
         plan.append((top, bottom))
     return tuple(plan)
-
-
-class _Halo(torch.autograd.Function):
-    """``x`` with ``plan[rank][0]`` rows of the previous band above and ``plan[rank][1]`` rows of the
-    next band below, along ``dim``; the backward returns the halo rows' gradients to their owners."""
-
-    @staticmethod
-    def forward(ctx, x, plan, dg: DomainGroup, dim: int):
-        ctx.plan, ctx.dg, ctx.dim = plan, dg, dim
-        r, n = dg.rank, x.shape[dim]
-        top, bottom = plan[r]
-        sends, recvs = [], []
-        parts = [x]
-        if top:
-            parts.insert(0, x.new_empty(*x.shape[:dim], top, *x.shape[dim + 1:]))
-            recvs.append((parts[0], r - 1))
-        if bottom:
-            parts.append(x.new_empty(*x.shape[:dim], bottom, *x.shape[dim + 1:]))
-            recvs.append((parts[-1], r + 1))
-        if r > 0 and plan[r - 1][1]:  # the previous band's bottom halo is my first rows
-            sends.append((x.narrow(dim, 0, plan[r - 1][1]), r - 1))
-        if r + 1 < dg.size and plan[r + 1][0]:  # the next band's top halo is my last rows
-            sends.append((x.narrow(dim, n - plan[r + 1][0], plan[r + 1][0]), r + 1))
-        _p2p(sends, recvs, dg)
-        return torch.cat(parts, dim) if len(parts) > 1 else x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        plan, dg, dim = ctx.plan, ctx.dg, ctx.dim
-        r = dg.rank
-        top, bottom = plan[r]
-        n = g.shape[dim] - top - bottom
-        grad = g.narrow(dim, top, n).clone()
-        sends, recvs = [], []
-        if top:
-            sends.append((g.narrow(dim, 0, top), r - 1))
-        if bottom:
-            sends.append((g.narrow(dim, top + n, bottom), r + 1))
-        from_prev = from_next = None
-        if r > 0 and plan[r - 1][1]:
-            from_prev = grad.new_empty(*grad.shape[:dim], plan[r - 1][1], *grad.shape[dim + 1:])
-            recvs.append((from_prev, r - 1))
-        if r + 1 < dg.size and plan[r + 1][0]:
-            from_next = grad.new_empty(*grad.shape[:dim], plan[r + 1][0], *grad.shape[dim + 1:])
-            recvs.append((from_next, r + 1))
-        _p2p(sends, recvs, dg)
-        if from_prev is not None:
-            grad.narrow(dim, 0, from_prev.shape[dim]).add_(from_prev)
-        if from_next is not None:
-            grad.narrow(dim, n - from_next.shape[dim], from_next.shape[dim]).add_(from_next)
-        return grad, None, None, None
-
-
-def halo_rows(x: torch.Tensor, plan, dg: DomainGroup, dim: int) -> torch.Tensor:
-    """Differentiable asymmetric halo exchange: each band gets exactly the rows ``plan`` names."""
-    return x if dg.size == 1 or not any(map(any, plan)) else _Halo.apply(x, plan, dg, dim)
 
 
 class _NeighbourhoodAttentionMixin:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.domain.comm import DomainGroup
+from framework.domain.comm import DomainGroup, halo_rows
 from framework.domain.splitter import split
 from framework.errors import ConfigError
 from recipes.stormscope import parallelize
@@ -95,7 +95,7 @@ def _check_halo(group, world, rank):
                 ref = ref + (full[:, :, lo:hi] * grads[r]).sum()
             ref.backward()
             local = band(full.detach(), tokens, rank).clone().requires_grad_()
-            out = parallelize.halo_rows(local, plan, dg, dim=2)
+            out = halo_rows(local, plan, dg, dim=2)
             lo, hi = kv_rows_needed(sum(tokens[:rank]), sum(tokens[:rank + 1]), kernel, 16)
             where = f"halo {kind} {extents}, kernel {kernel}, rank {rank}"
             assert out.shape[2] == hi - lo, where  # exactly the rows the windows reach
