@@ -36,9 +36,11 @@ def test_usr2_checkpoints_requeues_and_resumes(tmp_path):
     while not (metrics.exists() and len(_train_steps(metrics)) >= 5):
         assert time.time() - t0 < 240 and launcher.poll() is None, "the job did not start training"
         time.sleep(1)
-    job = subprocess.run(["squeue", "-h", "-o", "%i", "-n", "framework"], capture_output=True,
-                         text=True).stdout.split()
-    assert job, "no running job"
+    # this test's job: submitted from tmp_path (other tests may have jobs of the same name queued)
+    rows = subprocess.run(["squeue", "-h", "-o", "%i %Z", "-n", "framework"], capture_output=True,
+                          text=True).stdout.splitlines()
+    job = [r.split()[0] for r in rows if len(r.split()) == 2 and r.split()[1] == str(tmp_path)]
+    assert job, f"no running job submitted from {tmp_path}: {rows}"
     subprocess.run(["scancel", "-s", "USR2", job[0]], check=True)
     out, _ = launcher.communicate(timeout=500)
     assert launcher.returncode == 0, out[-3000:]
