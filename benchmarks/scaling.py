@@ -38,18 +38,20 @@ DIT_IO = (28, 9)
 
 
 def build_model(args):
+    """(model, (in, out) channels, its config's downsample_factor: the multiple of domain bands)."""
     from framework import registry
 
     if args.model == "dit":
         from recipes.stormscope.config import DiTConfig
 
-        cfg = DiTConfig(attn_impl=args.attn_impl)
-        return registry.models.build("dit", cfg, in_channels=DIT_IO[0], out_channels=DIT_IO[1],
-                                     img_resolution=(args.height, args.width)), DIT_IO
-    from recipes.stormcast.config import SongUNetConfig
+        cfg, io = DiTConfig(attn_impl=args.attn_impl), DIT_IO
+    else:
+        from recipes.stormcast.config import SongUNetConfig
 
-    return registry.models.build("songunet", SongUNetConfig(**PAPER), in_channels=127, out_channels=99,
-                                 img_resolution=(args.height, args.width)), (127, 99)
+        cfg, io = SongUNetConfig(**PAPER), (127, 99)
+    model = registry.models.build(args.model, cfg, in_channels=io[0], out_channels=io[1],
+                                  img_resolution=(args.height, args.width))
+    return model, io, cfg.downsample_factor
 
 
 def _forward(model, x, dit: bool):
@@ -87,7 +89,7 @@ def worker(args) -> None:
         prec = precision_mod.build(PrecisionConfig(name=args.precision), device)
         prec.apply_backend_flags()
         torch.manual_seed(0)
-        model, io = build_model(args)
+        model, io, factor = build_model(args)
         model = model.to(device)
         plain = model
         rows, weight = args.height, 1.0
@@ -96,7 +98,6 @@ def worker(args) -> None:
             from framework.domain.shard_tensor import split_extents
             from framework.domain.splitter import split
 
-            factor = getattr(model, "downsample_factor", getattr(model, "patch_size", 1))
             extents = split_extents(args.height, args.domain, factor)
             dg = DomainGroup(topo.group("domain"), extents)
             model = split(model, dg)

@@ -165,12 +165,17 @@ def tile_shape(rows: int, w: int, tiled: bool = True) -> tuple[int, int]:
     return (th, tw) if tiled and w >= tw and rows * w > 2 * _FLEX_BLOCK else (1, w)
 
 
+def _padded(rows: int, w: int, tile: tuple[int, int]) -> tuple[int, int]:
+    """Rows and columns rounded up to whole tiles."""
+    th, tw = tile
+    return -(-rows // th) * th, -(-w // tw) * tw
+
+
 def _positions(rows: int, w: int, tile: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, col) of every position of the tiled order: tiles row-major, tokens row-major in a
     tile; rows and columns padded up to whole tiles."""
-    th, tw = tile
-    rp, wp = -(-rows // th) * th, -(-w // tw) * tw
-    return _tile_rc(torch.arange(rp * wp, device=device), tile, wp // tw)
+    rp, wp = _padded(rows, w, tile)
+    return _tile_rc(torch.arange(rp * wp, device=device), tile, wp // tile[1])
 
 
 def _tile_rc(idx, tile: tuple[int, int], tiles_per_row: int):
@@ -186,8 +191,8 @@ def to_tiles(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     b, h, rows, w, d = x.shape
     if tile == (1, w):
         return x.reshape(b, h, rows * w, d)
-    x = F.pad(x, (0, 0, 0, -w % tw, 0, -rows % th))
-    rp, wp = x.shape[2], x.shape[3]
+    rp, wp = _padded(rows, w, tile)
+    x = F.pad(x, (0, 0, 0, wp - w, 0, rp - rows))
     return x.view(b, h, rp // th, th, wp // tw, tw, d).transpose(3, 4).reshape(b, h, rp * wp, d)
 
 
@@ -197,7 +202,7 @@ def from_tiles(x: torch.Tensor, tile: tuple[int, int], rows: int, w: int) -> tor
     b, h, _, d = x.shape
     if tile == (1, w):
         return x.reshape(b, h, rows, w, d)
-    rp, wp = -(-rows // th) * th, -(-w // tw) * tw
+    rp, wp = _padded(rows, w, tile)
     x = x.view(b, h, rp // th, wp // tw, th, tw, d).transpose(3, 4).reshape(b, h, rp, wp, d)
     return x[:, :, :rows, :w]
 
@@ -226,9 +231,10 @@ def block_flags(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row
     kr, kc = _positions(hk, w, tile, device)
     q_len, kv_len = len(qr), len(kr)
     nq, nk = -(-q_len // block), -(-kv_len // block)
-    rows = _axis_mask(torch.arange(int(qr.max()) + 1, device=device) + q_row_offset,
-                      torch.arange(int(kr.max()) + 1, device=device) + kv_row_offset, kernel, grid_rows)
-    c = torch.arange(int(kc.max()) + 1, device=device)
+    (hq_pad, wp), hk_pad = _padded(hq, w, tile), _padded(hk, w, tile)[0]
+    rows = _axis_mask(torch.arange(hq_pad, device=device) + q_row_offset,
+                      torch.arange(hk_pad, device=device) + kv_row_offset, kernel, grid_rows)
+    c = torch.arange(wp, device=device)
     cols = _axis_mask(c, c, kernel, w)
     k_valid = (kr < hk) & (kc < w)
     partial = torch.zeros(nq, nk, dtype=torch.bool, device=device)
@@ -249,15 +255,16 @@ def mask_mod_for(hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset:
                  tile: tuple[int, int]):
     """flex mask_mod of the band in the tiled order; the same clamped-window rule as _axis_mask."""
     kr, kc, r = min(kernel, grid_rows), min(kernel, w), kernel // 2
-    per_row = -(-w // tile[1])
+    per_row = -(-w // tile[1])  # tiles per row of the padded grid
 
     def mask_mod(b, h, q_idx, kv_idx):
         qi, qj = _tile_rc(q_idx, tile, per_row)
         ki, kj = _tile_rc(kv_idx, tile, per_row)
+        real = (ki < hk) & (kj < w)  # not padding
         rs = (qi + q_row_offset - r).clamp(0, grid_rows - kr)
         cs = (qj - r).clamp(0, w - kc)
         ki = ki + kv_row_offset
-        return (ki < hk + kv_row_offset) & (kj < w) & (ki >= rs) & (ki < rs + kr) & (kj >= cs) & (kj < cs + kc)
+        return real & (ki >= rs) & (ki < rs + kr) & (kj >= cs) & (kj < cs + kc)
 
     return mask_mod
 
@@ -273,7 +280,7 @@ def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row
     inside partial blocks.
     """
     partial, full = block_flags(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, device, tile=tile)
-    lengths = (len(_positions(hq, w, tile, "cpu")[0]), len(_positions(hk, w, tile, "cpu")[0]))
+    lengths = tuple(r * c for r, c in (_padded(hq, w, tile), _padded(hk, w, tile)))
     return _flex_api()[0].from_kv_blocks(
         *_ordered(partial), *_ordered(full), BLOCK_SIZE=_FLEX_BLOCK, seq_lengths=lengths,
         mask_mod=mask_mod_for(hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, tile))
