@@ -10,8 +10,13 @@ in training (atomic commit, meta.json, per-rank RNG files, fsync of every file).
   ``before_optimizer_step()`` over the steps that follow until the save is committed (the
   staging copy overlaps the next step's forward/backward; the write and the commit run in
   the background).
-- load: ``CheckpointManager.load`` into the live model/optimizer; the files are evicted
-  from the page cache first (``posix_fadvise(DONTNEED)``, ``--warm`` keeps them).
+- load: ``CheckpointManager.load`` into the live model/optimizer (which verifies every
+  checksum of the manifest first, then reads); the files are evicted from the page cache
+  first (``posix_fadvise(DONTNEED)``, ``--warm`` keeps them).
+- verify: ``backend.verify(full=True)`` alone, cold (evicted) and warm (page cache): GB/s
+  of checkpoint bytes hashed against ``manifest.json``; the manifest's share of a sync save
+  (hashing every file at commit); the quick check (sizes, meta.json); and the raw speed of
+  the candidate hashes (blake2b, sha256) on one thread and on the verifier's threads.
 
 The step between an async save and the next optimizer step is a real forward/backward
 (batch 1, bf16 autocast on CUDA) by default on CUDA. On CPU a real step at 512x640 takes
@@ -29,6 +34,7 @@ Prints one line per measurement and the ratio async-blocked / sync-save (target 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -43,6 +49,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from framework.checkpoint import manifest as manifest_mod  # noqa: E402
 from framework.checkpoint.dcp import DcpBackend  # noqa: E402
 from framework.checkpoint.dcp_async import AsyncDcpBackend  # noqa: E402
 from framework.checkpoint.manager import CheckpointManager  # noqa: E402
@@ -58,17 +65,32 @@ def build(device: torch.device):
     from recipes.stormcast.songunet import SongUNet
 
     torch.manual_seed(0)
-    model = SongUNet(img_resolution=GRID, in_channels=IN_CH, out_channels=OUT_CH, model_channels=128,
-                     channel_mult=[1, 2, 2, 2, 2], num_blocks=4, attn_resolutions=[], embedding_type="positional",
-                     additive_pos_embed=True, dropout=0.0).to(device)
+    model = SongUNet(
+        img_resolution=GRID,
+        in_channels=IN_CH,
+        out_channels=OUT_CH,
+        model_channels=128,
+        channel_mult=[1, 2, 2, 2, 2],
+        num_blocks=4,
+        attn_resolutions=[],
+        embedding_type="positional",
+        additive_pos_embed=True,
+        dropout=0.0,
+    ).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     for p in model.parameters():  # one step with small gradients: Adam's moments exist
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return SimpleNamespace(model=model, optimizer=opt, scheduler=sched, precision=Precision("bf16", None, False, None),
-                           step=1, run_id="bench")
+    return SimpleNamespace(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        precision=Precision("bf16", None, False, None),
+        step=1,
+        run_id="bench",
+    )
 
 
 def state_bytes(t) -> int:
@@ -120,14 +142,49 @@ def evict(path: Path) -> None:
                 os.close(fd)
 
 
+def hash_speeds(mb: int = 256) -> dict[str, tuple[float, float, float]]:
+    """GB/s of each candidate hash on ``mb`` MiB in memory: one thread (wall), the verifier's
+    threads (64 MiB chunks hashed in parallel, as manifest.verify does; wall), and one thread
+    per CPU-second (what a core does, whatever else shares the machine)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = memoryview(os.urandom(mb << 20))
+    chunk = 64 << 20
+    pieces = [data[o : o + chunk] for o in range(0, len(data), chunk)]
+    out = {}
+    for name in manifest_mod.ALGORITHMS:
+
+        def one(piece, name=name):
+            h = manifest_mod._hasher(name)
+            for o in range(0, len(piece), 8 << 20):
+                h.update(piece[o : o + (8 << 20)])
+            return h.hexdigest()
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        for p in pieces:
+            one(p)
+        single = len(data) / (time.perf_counter() - t0) / 1e9
+        per_cpu = len(data) / (time.process_time() - c0) / 1e9
+        with ThreadPoolExecutor(manifest_mod.workers()) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(one, pieces))
+            threaded = len(data) / (time.perf_counter() - t0) / 1e9
+        out[name] = (single, threaded, per_cpu)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dir", type=Path, default=None, help="where checkpoints are written (default: a temp dir)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--io-threads", type=int, default=1, help="DCP writer threads (checkpoint.io_threads)")
-    ap.add_argument("--step", choices=["auto", "real", "busy"], default="auto",
-                    help="the work between an async save and the next optimizer step (auto: real on CUDA)")
+    ap.add_argument(
+        "--step",
+        choices=["auto", "real", "busy"],
+        default="auto",
+        help="the work between an async save and the next optimizer step (auto: real on CUDA)",
+    )
     ap.add_argument("--step-s", type=float, default=1.0, help="seconds of the CPU stand-in step (--step busy)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads of the training loop")
     ap.add_argument("--warm", action="store_true", help="load from the page cache (no eviction)")
@@ -148,11 +205,23 @@ def main(argv=None) -> int:
     params = sum(p.numel() for p in t.model.parameters())
     where = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{os.cpu_count()}"
-    print(f"model: SongUNet {params / 1e6:.1f} M parameters, {GRID[0]}x{GRID[1]}, {IN_CH}->{OUT_CH}; "
-          f"model + Adam state {gb:.3f} GB ({nbytes / 2**30:.3f} GiB)")
-    print(f"device: {name}; torch {torch.__version__}; dir: {where}; io_threads={args.io_threads}; "
-          f"loop threads={args.threads}; step between save and optimizer step: "
-          f"{'real fwd/bwd' if how == 'real' else f'{args.step_s:g} s matmul stand-in'}", flush=True)
+    print(
+        f"model: SongUNet {params / 1e6:.1f} M parameters, {GRID[0]}x{GRID[1]}, {IN_CH}->{OUT_CH}; "
+        f"model + Adam state {gb:.3f} GB ({nbytes / 2**30:.3f} GiB)"
+    )
+    print(
+        f"device: {name}; torch {torch.__version__}; dir: {where}; io_threads={args.io_threads}; "
+        f"loop threads={args.threads}; step between save and optimizer step: "
+        f"{'real fwd/bwd' if how == 'real' else f'{args.step_s:g} s matmul stand-in'}",
+        flush=True,
+    )
+    speeds = hash_speeds()
+    print(
+        f"hash speed in memory (1 thread / {manifest_mod.workers()} threads / per CPU-second): "
+        + ", ".join(f"{k} {a:.2f} / {b:.2f} / {c:.2f} GB/s" for k, (a, b, c) in speeds.items())
+        + f"; manifests use {manifest_mod.ALGORITHM}",
+        flush=True,
+    )
 
     cfg = CheckpointConfig(keep=1)
     sync_m = CheckpointManager(cfg, DcpBackend(args.io_threads), where / "sync", DistEnv())
@@ -168,7 +237,24 @@ def main(argv=None) -> int:
             step()
             t.model.zero_grad(set_to_none=True)
 
-        rows = {k: [] for k in ("sync", "load", "blocked", "call", "wait", "staging", "written", "steps")}
+        rows = {
+            k: []
+            for k in (
+                "sync",
+                "load",
+                "blocked",
+                "call",
+                "wait",
+                "staging",
+                "written",
+                "steps",
+                "verify_cold",
+                "verify_warm",
+                "verify_cpu",
+                "manifest",
+                "quick",
+            )
+        }
         for r in range(args.rounds):
             t.step += 1
             sync(device)
@@ -206,11 +292,13 @@ def main(argv=None) -> int:
             async_m.before_optimizer_step()
             rows["staging"].append(time.perf_counter() - t0)
             async_m.finish()
-            print(f"round {r + 1}: sync save {rows['sync'][-1]:.3f} s, "
-                  f"async blocked {rows['blocked'][-1]:.4f} s (call {call:.4f} + hooks {wait:.4f} over {steps} steps, "
-                  f"the first {first or 0:.4f}), "
-                  f"staging only {rows['staging'][-1]:.3f} s, async committed after {rows['written'][-1]:.3f} s",
-                  flush=True)
+            print(
+                f"round {r + 1}: sync save {rows['sync'][-1]:.3f} s, "
+                f"async blocked {rows['blocked'][-1]:.4f} s (call {call:.4f} + hooks {wait:.4f} over {steps} steps, "
+                f"the first {first or 0:.4f}), "
+                f"staging only {rows['staging'][-1]:.3f} s, async committed after {rows['written'][-1]:.3f} s",
+                flush=True,
+            )
         # Correctness under load: the optimizer steps right after an async save (the hook
         # waits for the staging copy); the checkpoint must hold the state of its step.
         snapshot = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
@@ -226,8 +314,11 @@ def main(argv=None) -> int:
         moved = any(not torch.equal(v, snapshot[k]) for k, v in t.model.state_dict().items())
         async_m.load(checked, t)
         same = all(torch.equal(v, snapshot[k]) for k, v in t.model.state_dict().items())
-        print(f"async checkpoint holds the state of its step while the optimizer stepped on: "
-              f"{'OK' if same and moved else 'FAILED'}", flush=True)
+        print(
+            f"async checkpoint holds the state of its step while the optimizer stepped on: "
+            f"{'OK' if same and moved else 'FAILED'}",
+            flush=True,
+        )
         del snapshot
 
         # Loads last: loading replaces the optimizer's state tensors, so the async stager's
@@ -241,20 +332,73 @@ def main(argv=None) -> int:
             sync(device)
             rows["load"].append(time.perf_counter() - t0)
             print(f"load {r + 1}: {rows['load'][-1]:.3f} s", flush=True)
+
+        # Verification alone: every checksum (what resume, export and weights.load do before
+        # reading), cold and warm; the manifest a commit writes; the quick check.
+        backend = DcpBackend()
+        listed = json.loads((path / manifest_mod.MANIFEST).read_text())["files"]
+        vbytes = sum(e["size"] for e in listed.values())
+        for r in range(args.rounds):
+            evict(path)
+            t0 = time.perf_counter()
+            backend.verify(path, full=True)
+            rows["verify_cold"].append(time.perf_counter() - t0)
+            t0, c0 = time.perf_counter(), time.process_time()
+            backend.verify(path, full=True)
+            rows["verify_warm"].append(time.perf_counter() - t0)
+            rows["verify_cpu"].append(time.process_time() - c0)
+            meta = json.loads((path / "meta.json").read_text())
+            t0 = time.perf_counter()
+            manifest_mod.build(path, meta, world={})
+            rows["manifest"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            backend.verify(path, full=False)
+            rows["quick"].append(time.perf_counter() - t0)
+            print(
+                f"verify {r + 1}: cold {rows['verify_cold'][-1]:.3f} s, warm {rows['verify_warm'][-1]:.3f} s, "
+                f"manifest at commit {rows['manifest'][-1]:.3f} s, quick {rows['quick'][-1] * 1e3:.1f} ms",
+                flush=True,
+            )
     finally:
         shutil.rmtree(where, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"\nmedian of {args.rounds} rounds ({gb:.3f} GB):")
     print(f"  dcp sync save        {med['sync']:8.3f} s   {gb / med['sync']:6.2f} GB/s   (loop blocked for all of it)")
-    print(f"  dcp load             {med['load']:8.3f} s   {gb / med['load']:6.2f} GB/s   "
-          f"({'page cache' if args.warm else 'cold: pages evicted'})")
-    print(f"  dcp_async blocked    {med['blocked']:8.4f} s                 (save call {med['call']:.4f} + "
-          f"before_optimizer_step {med['wait']:.4f} over {med['steps']:g} steps until committed)")
-    print(f"  dcp_async staging    {med['staging']:8.3f} s   {gb / med['staging']:6.2f} GB/s   "
-          f"(blocked if the optimizer step came at once)")
-    print(f"  dcp_async committed  {med['written']:8.3f} s   {gb / med['written']:6.2f} GB/s   "
-          f"(save call -> commit, training meanwhile)")
+    print(
+        f"  dcp load             {med['load']:8.3f} s   {gb / med['load']:6.2f} GB/s   "
+        f"({'page cache' if args.warm else 'cold: pages evicted'})"
+    )
+    print(
+        f"  dcp_async blocked    {med['blocked']:8.4f} s                 (save call {med['call']:.4f} + "
+        f"before_optimizer_step {med['wait']:.4f} over {med['steps']:g} steps until committed)"
+    )
+    print(
+        f"  dcp_async staging    {med['staging']:8.3f} s   {gb / med['staging']:6.2f} GB/s   "
+        f"(blocked if the optimizer step came at once)"
+    )
+    print(
+        f"  dcp_async committed  {med['written']:8.3f} s   {gb / med['written']:6.2f} GB/s   "
+        f"(save call -> commit, training meanwhile)"
+    )
+    vgb = vbytes / 1e9
+    print(
+        f"  verify (cold)        {med['verify_cold']:8.3f} s   {vgb / med['verify_cold']:6.2f} GB/s   "
+        f"(every checksum of {vgb:.3f} GB, {manifest_mod.ALGORITHM}, {manifest_mod.workers()} threads, "
+        "pages evicted)"
+    )
+    print(
+        f"  verify (warm)        {med['verify_warm']:8.3f} s   {vgb / med['verify_warm']:6.2f} GB/s   "
+        f"(page cache: the hashing alone; {vgb / med['verify_cpu']:.2f} GB per CPU-second)"
+    )
+    print(
+        f"  manifest at commit   {med['manifest']:8.3f} s   {vgb / med['manifest']:6.2f} GB/s   "
+        f"(part of the sync save above: {med['manifest'] / med['sync']:.0%})"
+    )
+    print(
+        f"  quick check          {med['quick'] * 1e3:8.1f} ms               (manifest, sizes, meta.json: latest(), "
+        "describe)"
+    )
     ratio = med["blocked"] / med["sync"]
     print(f"async blocked / sync save = {ratio:.4f} (target <= 0.05: {'met' if ratio <= 0.05 else 'NOT met'})")
     print(f"staging only / sync save  = {med['staging'] / med['sync']:.4f}")

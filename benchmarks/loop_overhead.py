@@ -27,9 +27,19 @@ WARMUP = 10  # steps excluded from timing (first-step FLOP count, allocator warm
 
 def framework_step_time(tmp: Path, data_root: Path, steps: int, round_: int) -> float:
     run_dir = tmp / f"fw{round_}"
-    run = validate(compose([f"data.root={data_root}", f"trainer.max_steps={steps + WARMUP}",
-                            f"trainer.log_every={WARMUP}", "trainer.val_every=0", "trainer.val_batches=1",
-                            "trainer.progress=false", "checkpoint=none"]))
+    run = validate(
+        compose(
+            [
+                f"data.root={data_root}",
+                f"trainer.max_steps={steps + WARMUP}",
+                f"trainer.log_every={WARMUP}",
+                "trainer.val_every=0",
+                "trainer.val_batches=1",
+                "trainer.progress=false",
+                "checkpoint=none",
+            ]
+        )
+    )
     run_job(run, run_dir)
     rows = [r for r in read(run_dir / "metrics.jsonl", "train") if r["step"] > WARMUP]
     batch = run.data.batch_size
@@ -38,18 +48,25 @@ def framework_step_time(tmp: Path, data_root: Path, steps: int, round_: int) -> 
 
 def plain_step_time(data_root: Path, steps: int) -> float:
     """What a user would write by hand: DataLoader, forward, MSE, backward, clip, step."""
-    from recipes.stormcast.dataset import HrrrEra5Dataset
     from recipes.stormcast.songunet import SongUNet
+    from recipes.weather.dataset import HrrrEra5Dataset
 
     run = validate(compose([f"data.root={data_root}"]))
     d, m = run.data, run.model
     torch.manual_seed(0)
-    ds = HrrrEra5Dataset(d.root, list(d.train_years), list(d.hrrr_channels), list(d.era5_channels),
-                         list(d.invariants))
+    ds = HrrrEra5Dataset(d.root, list(d.train_years), list(d.hrrr_channels), list(d.era5_channels), list(d.invariants))
     loader = torch.utils.data.DataLoader(ds, batch_size=d.batch_size, shuffle=True, drop_last=True)
-    model = SongUNet(tuple(d.grid), len(d.hrrr_channels) + len(d.era5_channels) + len(d.invariants),
-                     len(d.hrrr_channels), model_channels=m.model_channels, channel_mult=list(m.channel_mult),
-                     num_blocks=m.num_blocks, attn_resolutions=[], dropout=0.0, embedding_type="zero")
+    model = SongUNet(
+        tuple(d.grid),
+        len(d.hrrr_channels) + len(d.era5_channels) + len(d.invariants),
+        len(d.hrrr_channels),
+        model_channels=m.model_channels,
+        channel_mult=list(m.channel_mult),
+        num_blocks=m.num_blocks,
+        attn_resolutions=[],
+        dropout=0.0,
+        embedding_type="zero",
+    )
     opt = torch.optim.Adam(model.parameters(), lr=run.optim.lr)
     it = iter(loader)
     t0 = None
@@ -87,8 +104,7 @@ def main():
             plain.append(plain_step_time(data_root, args.steps))
             print(f"round {r}: framework {fw[-1] * 1e3:.1f} ms/step, plain {plain[-1] * 1e3:.1f} ms/step")
     f, p = statistics.median(fw), statistics.median(plain)
-    print(f"framework {f * 1e3:.1f} ms/step  plain PyTorch {p * 1e3:.1f} ms/step  "
-          f"ratio {f / p:.3f} (target <= 1.05)")
+    print(f"framework {f * 1e3:.1f} ms/step  plain PyTorch {p * 1e3:.1f} ms/step  ratio {f / p:.3f} (target <= 1.05)")
 
 
 if __name__ == "__main__":

@@ -111,9 +111,12 @@ def measure(fn, q, k, v, kernel, iters, warmup):
     return statistics.median(times), mem.peak
 
 
-IMPLS = {"flex": flex_neighbourhood_attention,  # 8 x 16 token tiles per flex block
-         "flex-rows": lambda q, k, v, kernel: flex_neighbourhood_attention(q, k, v, kernel, tiled=False),
-         "reference": reference_neighbourhood_attention, "dense": dense_neighbourhood_attention}
+IMPLS = {
+    "flex": flex_neighbourhood_attention,  # 8 x 16 token tiles per flex block
+    "flex-rows": lambda q, k, v, kernel: flex_neighbourhood_attention(q, k, v, kernel, tiled=False),
+    "reference": reference_neighbourhood_attention,
+    "dense": dense_neighbourhood_attention,
+}
 
 
 def run_one(a, name) -> None:
@@ -122,8 +125,10 @@ def run_one(a, name) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(a.batch, a.heads, *a.grid, a.head_dim, device=device, dtype=DTYPES[a.dtype],
-                           requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(a.batch, a.heads, *a.grid, a.head_dim, device=device, dtype=DTYPES[a.dtype], requires_grad=True)
+        for _ in range(3)
+    )
     try:
         t, m = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
     except Exception as e:  # noqa: BLE001 - OOM shows up as several exception types across devices
@@ -156,10 +161,12 @@ def main(argv=None):
     device = torch.device(a.device)
     rows, cols = a.grid
     tokens = rows * cols
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"torch {torch.__version__}, grid {rows}x{cols} = {tokens} tokens, kernel {a.kernel}, batch {a.batch}, "
-          f"heads {a.heads}, head_dim {a.head_dim}, {a.dtype}; median of {a.iters} forward+backward"
-          + ("" if device.type == "cuda" else f"; {a.threads or torch.get_num_threads()} CPU threads"))
+    print(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"torch {torch.__version__}, grid {rows}x{cols} = {tokens} tokens, kernel {a.kernel}, batch {a.batch}, "
+        f"heads {a.heads}, head_dim {a.head_dim}, {a.dtype}; median of {a.iters} forward+backward"
+        + ("" if device.type == "cuda" else f"; {a.threads or torch.get_num_threads()} CPU threads")
+    )
     print(f"keys per query: neighbourhood {min(a.kernel, rows) * min(a.kernel, cols)}, dense {tokens}")
 
     names = ["flex", "flex-rows", "reference"] + ([] if a.skip_dense else ["dense"])

@@ -18,6 +18,14 @@ and prints ratios:
 
 Figures per GPU: samples/s, peak memory, and the bytes of parameters + gradients +
 optimizer state each GPU holds (measured from the tensors after a step).
+
+Eager and compiled side by side: the driver runs every layout both ways (``--modes``);
+``--compile`` in a worker is ``trainer.compile=true`` (``framework.train.compile``). The
+first step (FLOPs counted under FlopCounterMode) runs eager in both modes; the next one
+compiles, and its wall time is reported as the first-step (compile) time.
+
+    python benchmarks/scaling.py --gpus 1 --layouts none         # eager and compiled, one GPU
+    python benchmarks/scaling.py --worker --compile --profile out/   # + a kernel-time table
 """
 
 from __future__ import annotations
@@ -49,8 +57,9 @@ def build_model(args):
         from recipes.stormcast.config import SongUNetConfig
 
         cfg, io = SongUNetConfig(**PAPER), (127, 99)
-    model = registry.models.build(args.model, cfg, in_channels=io[0], out_channels=io[1],
-                                  img_resolution=(args.height, args.width))
+    model = registry.models.build(
+        args.model, cfg, in_channels=io[0], out_channels=io[1], img_resolution=(args.height, args.width)
+    )
     return model, io, cfg.downsample_factor
 
 
@@ -68,13 +77,75 @@ def _local_bytes(tensors) -> int:
     return total
 
 
+def _variant(text: str) -> dict:
+    """``key=value,...`` -> compile_model keyword arguments (ints/bools/None parsed)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        k, _, v = item.partition("=")
+        out[k] = {"none": None, "true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+        if k in ("channels_last", "cudnn_benchmark") and isinstance(out[k], int):
+            out[k] = bool(out[k])
+    return out
+
+
+_KERNEL_KINDS = (  # first match wins
+    ("layout transpose", ("nchwToNhwc", "nhwcToNchw", "nchw2nhwc", "nhwc2nchw", "transpose")),
+    ("conv (cuDNN)", ("conv", "xmma", "cudnn", "implicit", "wgrad", "dgrad", "fprop", "sm90_", "cutlass")),
+    ("matmul", ("gemm", "nvjet", "cublas")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("triton (inductor)", ("triton",)),
+    ("group norm (aten)", ("group_norm", "GroupNorm", "Welford", "welford")),
+    ("optimizer", ("multi_tensor", "adam", "Adam")),
+    ("nccl", ("nccl",)),
+    ("copy/fill", ("copy", "Memcpy", "Memset", "fill")),
+    ("elementwise/reduce (aten)", ("elementwise", "vectorized", "unrolled", "reduce", "Reduce")),
+)
+
+
+def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
+    """Kernel time of ``steps`` training steps by kind, and the top kernels (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            t.train_step(batch)
+        torch.cuda.synchronize(device)
+    wall = (time.perf_counter() - t0) / steps
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per = lambda e: getattr(e, "self_device_time_total", 0) / 1e3 / steps  # ms per step
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        kind = next((k for k, keys in _KERNEL_KINDS if any(x in e.key for x in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + per(e)
+    top = sorted(kernels, key=per, reverse=True)[:25]
+    busy = sum(kinds.values())
+    lines = [f"step wall {1e3 * wall:.1f} ms, kernels {busy:.1f} ms/step ({100 * busy / (1e3 * wall):.0f}% busy)"]
+    lines += [f"  {k:<28} {v:8.1f} ms  {100 * v / busy:5.1f}%" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    lines += ["top kernels (ms/step, calls/step):"]
+    lines += [f"  {per(e):8.2f} {e.count // steps:5d}  {e.key[:150]}" for e in top]
+    text = "\n".join(lines)
+    mode = "compiled" if args.compile else "eager"
+    tag = f"{args.model}_{args.sharding}_{mode}{'_' + args.variant if args.variant else ''}"
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_{tag.replace('=', '-').replace(',', '_')}.txt").write_text(text + "\n")
+    print(f"PROFILE {tag}\n{text}", file=sys.stderr, flush=True)
+    return {"wall_ms": 1e3 * wall, "kernel_ms": busy, "kinds_ms": kinds}
+
+
 def worker(args) -> None:
     import torch
 
     from framework import registry
     from framework.config.schema import ParallelConfig, PrecisionConfig, ShardingConfig, TrainerConfig
-    from framework.distributed import env as dist_env, mesh, precision as precision_mod
+    from framework.distributed import env as dist_env
+    from framework.distributed import mesh
+    from framework.distributed import precision as precision_mod
     from framework.train.trainer import Trainer
+
     if args.watchdog:  # a hung worker prints every thread's stack, then exits, instead of going silent
         import faulthandler
 
@@ -94,21 +165,27 @@ def worker(args) -> None:
         plain = model
         rows, weight = args.height, 1.0
         if args.domain > 1:  # split every sample's rows over the domain ranks
-            from framework.domain.comm import DomainGroup
-            from framework.domain.shard_tensor import split_extents
+            from framework.domain.comm import DomainGroup, split_extents
             from framework.domain.splitter import split
 
             extents = split_extents(args.height, args.domain, factor)
             dg = DomainGroup(topo.group("domain"), extents)
-            model = split(model, dg)
+            if args.model == "dit":
+                from recipes.stormscope.parallelize import PLAN
+            else:
+                from recipes.stormcast.parallelize import PLAN
+            model = split(model, dg, PLAN)
             rows, weight = extents[dg.rank], args.domain * extents[dg.rank] / args.height
+        compiled = None
+        if args.cudnn_benchmark:
+            torch.backends.cudnn.benchmark = True
         if args.compile:
-            from framework.distributed.sharding import find_units
+            from framework.train.compile import compile_model
 
-            for _, unit in find_units(model, []):
-                unit.compile()
-        sharded = registry.sharding.build(args.sharding, model, ShardingConfig(name=args.sharding),
-                                          topology=topo, precision=prec, device=device)
+            compiled = compile_model(model, device_type=device.type, **_variant(args.variant))
+        sharded = registry.sharding.build(
+            args.sharding, model, ShardingConfig(name=args.sharding), topology=topo, precision=prec, device=device
+        )
         prec.sharded_cast = sharded.mixed_precision
         model = sharded.model
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=cuda)
@@ -117,16 +194,36 @@ def worker(args) -> None:
         class Task:  # the regression loss on in-memory tensors
             @staticmethod
             def loss(m, batch):
-                return torch.nn.functional.mse_loss(_forward(m, batch["x"], args.model == "dit").float(), batch["y"]) * weight
+                return (
+                    torch.nn.functional.mse_loss(_forward(m, batch["x"], args.model == "dit").float(), batch["y"])
+                    * weight
+                )
 
-        t = Trainer(cfg=TrainerConfig(), run=None, env=env, device=device, task=Task(), model=model,
-                    optimizer=opt, scheduler=sched, precision=prec, checkpoint=None, sinks=[],
-                    run_dir=Path("."), dp_rank=topo.dp_rank, dp_size=topo.dp_size)
+        t = Trainer(
+            cfg=TrainerConfig(),
+            run=None,
+            env=env,
+            device=device,
+            task=Task(),
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            precision=prec,
+            checkpoint=None,
+            sinks=[],
+            run_dir=Path("."),
+            dp_rank=topo.dp_rank,
+            dp_size=topo.dp_size,
+        )
         b = args.batch_per_gpu
-        batch = {"x": torch.randn(b, io[0], rows, args.width, device=device),
-                 "y": torch.randn(b, io[1], rows, args.width, device=device)}
+        batch = {
+            "x": torch.randn(b, io[0], rows, args.width, device=device),
+            "y": torch.randn(b, io[1], rows, args.width, device=device),
+        }
         from framework.train import metrics
 
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        t0 = time.perf_counter()
         if args.model == "dit":
             from recipes.stormscope.dit import train_flops
 
@@ -134,12 +231,15 @@ def worker(args) -> None:
         else:
             _, flops = metrics.count_flops(lambda: t.train_step(batch))  # this rank's share of one step
             flops = flops * env.world_size / (b * topo.dp_size)  # per sample, all ranks
+        sync()
+        flop_step_s, first_step_s = time.perf_counter() - t0, None
         for i in range(args.warmup):  # step times on stderr tell a slow start (compiling) from a hang
             t0 = time.perf_counter()
             t.train_step(batch)
-            print(f"rank {env.rank} warm-up step {i}: {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        sync()
+            sync()
+            dt = time.perf_counter() - t0
+            first_step_s = dt if first_step_s is None else first_step_s
+            print(f"rank {env.rank} warm-up step {i}: {dt:.2f} s", file=sys.stderr, flush=True)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -153,34 +253,89 @@ def worker(args) -> None:
         peak = metrics.peak_tflops(device, args.precision)
         sps = b * topo.dp_size / dt
         result = {
-            "model": args.model, "tflop_per_sample": flops / 1e12, "tflops": flops * sps / 1e12,
+            "model": args.model,
+            "tflop_per_sample": flops / 1e12,
+            "tflops": flops * sps / 1e12,
             "mfu": flops * sps / 1e12 / (peak * env.world_size) if peak else None,
-            "sharding": args.sharding, "gpus": env.world_size, "precision": args.precision,
-            "compile": args.compile, "batch_per_gpu": b, "grid": [args.height, args.width],
-            "domain": args.domain, "step_s": dt, "samples_per_s": b * topo.dp_size / dt,
+            "sharding": args.sharding,
+            "gpus": env.world_size,
+            "precision": args.precision,
+            "compile": args.compile,
+            "batch_per_gpu": b,
+            "grid": [args.height, args.width],
+            "domain": args.domain,
+            "step_s": dt,
+            "samples_per_s": b * topo.dp_size / dt,
             "samples_per_s_per_gpu": b * topo.dp_size / dt / env.world_size,
             "peak_mem_gib": (torch.cuda.max_memory_allocated(device) if cuda else 0) / 2**30,
             "state_gib": (2 * _local_bytes(params) + _local_bytes(state)) / 2**30,
+            "flop_step_s": flop_step_s,
+            "first_step_s": first_step_s,
+            "variant": args.variant,
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         }
+        if compiled is not None:
+            result["compile_stats"] = {k: v for k, v in compiled.stats().items() if k != "break_reasons"}
+            result["compile_stats"]["enabled"] = compiled.enabled
+            result["channels_last"] = compiled.channels_last
+        if args.profile and env.is_main:
+            result["profile"] = profile_steps(t, batch, args, device)
         if env.is_main:
             print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(sharding: str, gpus: int, args, domain: int = 1) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           str(Path(__file__).resolve()), "--worker", "--sharding", sharding, "--precision", args.precision,
-           "--batch-per-gpu", str(args.batch_per_gpu), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--height", str(args.height), "--width", str(args.width), "--domain", str(domain),
-           "--device", args.device, "--model", args.model, "--attn-impl", args.attn_impl,
-           "--watchdog", str(args.watchdog)] + \
-        (["--compile"] if args.compile else [])
+def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None = None) -> dict:
+    compile = args.compile if compile is None else compile
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={gpus}",
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--sharding",
+            sharding,
+            "--precision",
+            args.precision,
+            "--batch-per-gpu",
+            str(args.batch_per_gpu),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--height",
+            str(args.height),
+            "--width",
+            str(args.width),
+            "--domain",
+            str(domain),
+            "--device",
+            args.device,
+            "--model",
+            args.model,
+            "--attn-impl",
+            args.attn_impl,
+            "--watchdog",
+            str(args.watchdog),
+        ]
+        + (["--compile", "--variant", args.variant] if compile else [])
+        + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
+        + (["--profile", str(args.profile)] if args.profile else [])
+    )
+    print(f"launch: {sharding} x{gpus} {'compiled' if compile else 'eager'}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if args.log_dir:
+        tag = f"{sharding}_x{gpus}_d{domain}_{'compiled' if compile else 'eager'}"
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.log_dir) / f"{tag}.log").write_text(proc.stdout + "\n" + proc.stderr)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
     err = proc.stderr.splitlines()
     start = next((i for i, ln in enumerate(err) if ln.startswith("Traceback")), max(0, len(err) - 15))
-    raise SystemExit(f"{sharding} on {gpus} GPU(s) failed:\n" + "\n".join(err[start:start + 40]))
+    raise SystemExit(f"{sharding} on {gpus} GPU(s) failed:\n" + "\n".join(err[start : start + 40]))
 
 
 def _pct(x) -> str:
@@ -198,55 +353,105 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--height", type=int, default=512)
     ap.add_argument("--width", type=int, default=640)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="worker: trainer.compile=true; driver: compiled only")
+    ap.add_argument("--modes", default="eager,compiled", help="driver: eager, compiled or both, side by side")
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help="driver: comma list of none, ddp, fsdp2, hsdp (default none, plus ddp and fsdp2 with --gpus > 1)",
+    )
+    ap.add_argument("--variant", default="", help="compile_model options, e.g. channels_last=0,cudnn_benchmark=1")
+    ap.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark on (eager too)")
+    ap.add_argument("--profile", type=Path, default=None, help="write a kernel-time table per run into this dir")
+    ap.add_argument("--log-dir", type=Path, default=None, help="driver: keep each run's stdout/stderr here")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
     ap.add_argument("--domain", type=int, default=1, help="worker: domain ranks per sample")
-    ap.add_argument("--mode", choices=["dp", "domain"], default="dp",
-                    help="dp: none/ddp/fsdp2 scaling; domain: one sample split over the GPUs")
+    ap.add_argument(
+        "--mode",
+        choices=["dp", "domain"],
+        default="dp",
+        help="dp: none/ddp/fsdp2 scaling; domain: one sample split over the GPUs",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--model", choices=["songunet", "dit"], default="songunet")
     ap.add_argument("--attn-impl", default="auto", help="dit: auto | flex | reference")
-    ap.add_argument("--watchdog", type=float, default=0,
-                    help="worker: after this many seconds print every thread's stack and exit (0: off)")
+    ap.add_argument(
+        "--watchdog",
+        type=float,
+        default=0,
+        help="worker: after this many seconds print every thread's stack and exit (0: off)",
+    )
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
     if args.mode == "domain":
         return domain_table(args)
-    runs = [launch("none", 1, args), launch("fsdp2", 1, args)]
-    if args.gpus > 1:
-        runs += [launch("ddp", args.gpus, args), launch("fsdp2", args.gpus, args)]
-    base = runs[0]
-    print(f"{args.model}, {args.height}x{args.width}, batch {args.batch_per_gpu}/GPU, {args.precision}, "
-          f"{base['tflop_per_sample']:.2f} TFLOP/sample")
-    print(f"{'layout':>8} {'gpus':>4} {'samples/s':>10} {'/GPU':>7} {'xbase':>6} {'peak GiB/GPU':>12} "
-          f"{'p+g+opt GiB/GPU':>15} {'MFU':>6}")
+    modes = ["compiled"] if args.compile else [m.strip() for m in args.modes.split(",") if m.strip()]
+    layouts = args.layouts.split(",") if args.layouts else ["none"] + (["ddp", "fsdp2"] if args.gpus > 1 else [])
+    runs = []
+    for layout in layouts:
+        gpus = 1 if layout == "none" else args.gpus
+        for mode in modes:
+            try:
+                runs.append(launch(layout, gpus, args, compile=mode == "compiled"))
+            except SystemExit as e:  # one failed layout does not lose the others' figures
+                print(e, file=sys.stderr, flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(runs, indent=1))
+    if not runs:
+        raise SystemExit("no run succeeded")
+    print_table(runs, args)
+
+
+def print_table(runs: list[dict], args) -> None:
+    base = next((r for r in runs if r["sharding"] == "none" and not r["compile"]), runs[0])
+    print(
+        f"{args.model}, {args.height}x{args.width}, batch {args.batch_per_gpu}/GPU, {args.precision}, "
+        f"{base['tflop_per_sample']:.2f} TFLOP/sample"
+    )
+    print(
+        f"{'layout':>8} {'gpus':>4} {'mode':>8} {'samples/s':>10} {'/GPU':>7} {'x eager':>7} {'MFU':>6} "
+        f"{'peak GiB/GPU':>12} {'p+g+opt GiB':>11} {'1st step s':>10}"
+    )
     for r in runs:
-        print(f"{r['sharding']:>8} {r['gpus']:>4} {r['samples_per_s']:>10.2f} {r['samples_per_s_per_gpu']:>7.2f} "
-              f"{r['samples_per_s'] / base['samples_per_s']:>6.2f} {r['peak_mem_gib']:>12.1f} {r['state_gib']:>15.3f} "
-              f"{_pct(r['mfu']):>6}")
-    if args.gpus > 1:
-        ddp, fsdp = runs[2], runs[3]
-        print(f"fsdp2 x{args.gpus} throughput / none x1: {fsdp['samples_per_s'] / base['samples_per_s']:.2f} "
-              f"(target >= {0.95 * args.gpus:.1f})")
-        print(f"fsdp2 / ddp params+grads+optimizer per GPU: {fsdp['state_gib'] / ddp['state_gib']:.2f} "
-              f"(target <= 0.55)")
+        eager = next(
+            (e for e in runs if e["sharding"] == r["sharding"] and e["gpus"] == r["gpus"] and not e["compile"]), None
+        )
+        ratio = f"{r['samples_per_s'] / eager['samples_per_s']:.2f}" if eager else "-"
+        first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
+        print(
+            f"{r['sharding']:>8} {r['gpus']:>4} {'compiled' if r['compile'] else 'eager':>8} "
+            f"{r['samples_per_s']:>10.2f} {r['samples_per_s_per_gpu']:>7.2f} {ratio:>7} {_pct(r['mfu']):>6} "
+            f"{r['peak_mem_gib']:>12.1f} {r['state_gib']:>11.3f} {first:>10}"
+        )
+        if r.get("compile_stats"):
+            c = r["compile_stats"]
+            print(
+                f"{'':>8} compile: {c.get('cached_graphs')} graphs for {c.get('units')} units, "
+                f"{c.get('recompiles')} recompiles, {c.get('graph_breaks')} graph breaks, "
+                f"channels_last={r.get('channels_last')}"
+            )
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))
 
 
 def domain_table(args) -> None:
     """One sample split over the GPUs (fsdp2 over the flattened axis) against one GPU."""
-    runs = [launch("none", 1, args), launch("fsdp2", args.gpus, args, domain=args.gpus),
-            launch("ddp", args.gpus, args, domain=args.gpus)]
+    runs = [
+        launch("none", 1, args),
+        launch("fsdp2", args.gpus, args, domain=args.gpus),
+        launch("ddp", args.gpus, args, domain=args.gpus),
+    ]
     base = runs[0]
     print(f"{args.model}, grid {args.height}x{args.width}, batch {args.batch_per_gpu}, {args.precision}")
     print(f"{'layout':>14} {'gpus':>4} {'s/step':>8} {'speed-up':>9} {'peak GiB/GPU':>12} {'x mem':>6} {'MFU':>6}")
     for r in runs:
         name = f"{r['sharding']}+domain{r['domain']}" if r["domain"] > 1 else r["sharding"]
-        print(f"{name:>14} {r['gpus']:>4} {r['step_s']:>8.3f} {base['step_s'] / r['step_s']:>9.2f} "
-              f"{r['peak_mem_gib']:>12.1f} {r['peak_mem_gib'] / max(base['peak_mem_gib'], 1e-9):>6.2f} "
-              f"{_pct(r['mfu']):>6}")
+        print(
+            f"{name:>14} {r['gpus']:>4} {r['step_s']:>8.3f} {base['step_s'] / r['step_s']:>9.2f} "
+            f"{r['peak_mem_gib']:>12.1f} {r['peak_mem_gib'] / max(base['peak_mem_gib'], 1e-9):>6.2f} "
+            f"{_pct(r['mfu']):>6}"
+        )
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))
 

@@ -1,4 +1,8 @@
-"""``python -m framework``: Hydra entry point; everything else lives in framework.cli."""
+"""``python -m framework``: Hydra entry point; everything else lives in framework.cli.
+
+``cli.precheck`` checks what Hydra is about to run (the whole config, its ``hydra`` node
+included) before ``@hydra.main`` configures logging or instantiates anything from it.
+"""
 
 import sys
 
@@ -7,13 +11,17 @@ import hydra
 from framework import cli
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=cli.CONF_DIR, config_name="config")
 def _hydra_main(cfg):
     return cli.main(cfg)
 
 
 def main():
-    cli.precheck(sys.argv[1:])
+    try:
+        cli.precheck(sys.argv[1:])
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
     _hydra_main()
 
 

@@ -1,19 +1,33 @@
-"""Command line: validate the config, set up the process, build the components, train.
+"""Command line: check the config, set up the process, build the components, train.
 
-Every expected failure (bad config, bad data) ends with one line on stderr and an exit
-code (2 for config, 3 for data); nothing else is printed, no traceback.
+Every expected failure (bad or refused config, unusable run dir, bad data) ends with one
+line on stderr and an exit code (framework.errors); nothing else is printed, no traceback.
+
+Two gates (docs/security.md):
+
+* :func:`precheck`, before Hydra acts on anything: composes what Hydra is about to run
+  (all of it, the ``hydra`` node included; under ``--multirun`` every option of a swept
+  config group too), refuses what could run code (``_target_``\\s outside the allowed
+  packages, Hydra callbacks, launchers, sweepers, logging classes, environment variables,
+  search-path entries, trust granted anywhere but the primary config file), validates, and
+  checks the run dir (usable, not locked by a live run);
+* :func:`main`, the job (called by Hydra, also in a submitit job whose config came from a
+  file): the same checks on the job's config and Hydra node, the I/O checks, the run-dir
+  lock, then :func:`framework.runtime.run_job`.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
 
-from framework.config import resolvers  # noqa: F401  (registers ${launch_time:})
-from framework.errors import ConfigError, FrameworkError
+from framework.config import resolvers
+from framework.config.compose import CONF_DIR, Source, hydra_message  # noqa: F401  (CONF_DIR: tests, tools)
+from framework.errors import EXIT_INTERRUPTED, ConfigError, FrameworkError
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+MAX_SWEEP_VARIANTS = 64  # compositions a --multirun precheck makes at most
 
 
 def fail(e: FrameworkError) -> None:
@@ -30,88 +44,298 @@ def one_line(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-# -- before Hydra: compose once ourselves so composition errors also get one line + exit 2 ---
-_SKIP_FLAGS = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc",
-               "--config-dir", "-cd", "--config-path", "-cp", "--experimental-rerun")
+def compose(overrides: list[str], config_name: str = "config"):
+    """The job config of ``conf/`` with ``overrides`` (no ``hydra`` node); errors are ConfigErrors."""
+    from framework.config.compose import compose as _compose
+
+    return _compose(overrides, Source(config_name=config_name))
 
 
+# -- before Hydra ----------------------------------------------------------------------------------
 def precheck(argv: list[str]) -> None:
-    """Compose and validate the job Hydra is about to run; exit 2 with one line on any error."""
-    if any(a.split("=")[0] in _SKIP_FLAGS for a in argv):
-        return
-    from hydra._internal.utils import get_args_parser  # Hydra's own parser: same flags, same meaning
+    """Check what Hydra is about to run; exit 2 with one line on any error (before Hydra acts)."""
+    from framework.config import hydra_args
 
+    args = hydra_args.parse(argv)  # a usage error: argparse's line, exit 2 (as Hydra's own parser)
+    if args.version or args.shell_completion:
+        return  # nothing of the config is acted on
     try:
-        args = get_args_parser().parse_args(argv)
-    except SystemExit:
-        raise  # argparse already printed its one-line usage error (exit 2)
-    overrides = [o for o in args.overrides if not o.lstrip("~+").startswith("hydra")]
-    try:
-        overrides = _first_of_sweeps(overrides) if args.multirun else overrides
-        cfg = compose(overrides, config_name=args.config_name or "config")
-        from framework.config.validate import validate
+        resolvers.restrict()
+        if args.experimental_rerun is not None:
+            raise ConfigError(
+                "--experimental-rerun loads a pickle, which can run code, and is not supported; run "
+                "again with the overrides in <run dir>/.hydra/overrides.yaml"
+            )
+        from framework.config import security
 
-        validate(cfg)
+        security.check_config_path(args.config_path)
+        security.check_overrides(args.overrides)
+        source = Source.from_args(args)
+        runs = not (args.help or args.hydra_help or args.info)  # these only print (their logging setup is checked)
+        cfgs = _compose_variants(source, list(args.overrides), args.multirun)
+        for i, (cfg, passed) in enumerate(cfgs):
+            multirun = args.multirun or str(cfg.hydra.mode).endswith("MULTIRUN")
+            trust, job = check_composed(cfg, source, passed, multirun=multirun)
+            if not runs:
+                continue
+            from framework.config.validate import validate
+
+            run = validate(job, trust)
+            if i == 0 and not args.cfg and _launch_rank() == 0:  # --cfg only prints
+                _precheck_dirs(cfg, run, multirun)
     except FrameworkError as e:
         fail(e)
+    except Exception as e:  # noqa: BLE001  (Hydra's or OmegaConf's own errors: one line too)
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(e, (HydraException, OmegaConfBaseException)):
+            raise
+        fail(ConfigError(hydra_message(e)))
+    finally:
+        _clear_hydra_config()
 
 
-def _first_of_sweeps(overrides: list[str]) -> list[str]:
-    """A multirun validates its first combination here; each job validates itself too."""
+def check_composed(cfg, source: Source, passed: list[str], *, multirun: bool):
+    """Security checks of a composed config (``hydra`` node included); returns (trust, job config)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    from framework.config import security
+
+    h = cfg.hydra
+    primary = security.primary_config_file(h.runtime.config_sources, source.config_name)
+    trust = security.trust_from_file(primary)
+    security.check_trust_node(cfg, trust)
+    _check_recorded_overrides(h, passed)
+
+    with read_write(cfg.hydra), open_dict(cfg.hydra):  # what Hydra fills in when the job starts
+        if multirun:
+            cfg.hydra.job.num = 0
+            cfg.hydra.job.id = "precheck"
+    HydraConfig.instance().set_config(cfg)
+    try:
+        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        out = OmegaConf.select(cfg, key)
+        if multirun:
+            out = os.path.join(str(out), str(OmegaConf.select(cfg, "hydra.sweep.subdir")))
+    except Exception as e:  # noqa: BLE001  (an OmegaConf error naming the key)
+        raise ConfigError(f"{key}: {_first_line(e)}") from None
+    with read_write(cfg.hydra), open_dict(cfg.hydra):
+        cfg.hydra.runtime.output_dir = os.path.abspath(str(out))
+    HydraConfig.instance().set_config(cfg)
+
+    job_targets = security.target_prefixes(trust)
+    security.check_hydra(
+        cfg.hydra,
+        trust,
+        presets=security.Presets.load(CONF_DIR),
+        job_targets=job_targets,
+        primary_searchpath=_primary_searchpath(primary),
+    )
+    job = copy.deepcopy(cfg)
+    with read_write(job), open_dict(job):
+        del job["hydra"]
+    return trust, job
+
+
+def _check_recorded_overrides(h, passed: list[str]) -> None:
+    """``hydra.overrides`` must be exactly what was passed: a sweep recomposes its jobs from it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    parsed = OverridesParser.create().parse_overrides(passed)
+    want_hydra = [o.input_line for o in parsed if o.is_hydra_override()]
+    want_task = [o.input_line for o in parsed if not o.is_hydra_override()]
+    from omegaconf import OmegaConf
+
+    recorded = OmegaConf.to_container(h.overrides, resolve=False)  # as Hydra reads them back: unresolved
+    if recorded.get("hydra") != want_hydra or recorded.get("task") != want_task:
+        raise ConfigError(
+            "hydra.overrides: set by a config file; it is Hydra's record of the command line and cannot be set"
+        )
+
+
+def _primary_searchpath(primary: Path | None) -> list[str]:
+    if primary is None:
+        return []
+    from omegaconf import DictConfig, OmegaConf
+
+    raw = OmegaConf.load(str(primary))
+    sp = OmegaConf.select(raw, "hydra.searchpath", default=None) if isinstance(raw, DictConfig) else None
+    return [str(x) for x in OmegaConf.to_container(sp, resolve=False)] if sp is not None else []
+
+
+def _compose_variants(source: Source, overrides: list[str], multirun: bool):
+    """The configs a launch composes: one for a run; for a sweep its first job and, for every swept
+    config group (command line or ``hydra.sweeper.params``), one per option (the others at their
+    first value). Yields (config with its hydra node, the overrides passed)."""
+    from framework.config.compose import compose as _compose
+
+    def run(ov):
+        return _compose(ov, source, with_hydra=True), ov
+
+    first = _firsts(overrides, source) if multirun else overrides
+    cfg, passed = run(first)
+    if not (multirun or str(cfg.hydra.mode).endswith("MULTIRUN")):
+        yield cfg, passed
+        return
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=False) if cfg.hydra.sweeper.get("params") else {}
+    sweep = [f"{k}={v}" for k, v in (params or {}).items()] + list(overrides)
+    if params:
+        first = _firsts(sweep, source)
+        cfg, passed = run(first)
+    yield cfg, passed
+    count = 1
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for i, o in enumerate(OverridesParser.create().parse_overrides(sweep)):
+        if not o.is_sweep_override() or not _is_group(o.key_or_group, source):
+            continue
+        for value in _sweep_values(o, source):
+            variant = list(first)
+            variant[i] = f"{o.get_key_element()}={value}"
+            if variant[i] == first[i]:
+                continue  # composed already
+            if count >= MAX_SWEEP_VARIANTS:
+                return  # the rest is checked by each job (framework.cli.main)
+            count += 1
+            yield run(variant)
+
+
+def _firsts(overrides: list[str], source: Source) -> list[str]:
+    """Each sweep override at its first value (a --multirun's first job)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise ConfigError(hydra_message(e)) from None
     out = []
-    for text, o in zip(overrides, OverridesParser.create().parse_overrides(overrides)):
+    for text, o in zip(overrides, parsed):
         if o.is_sweep_override():
-            value = next(iter(o.sweep_string_iterator()))
-            text = f"{o.get_key_element()}={value}"
+            values = _sweep_values(o, source)
+            text = f"{o.get_key_element()}={values[0]}" if values else text
         out.append(text)
     return out
 
 
-def compose(overrides: list[str], config_name: str = "config"):
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+def _sweep_values(o, source: Source) -> list[str]:
+    from hydra.core.override_parser.types import Glob
 
+    value = o.value()
+    if isinstance(value, Glob):
+        return value.filter(_group_options(o.key_or_group, source))
+    return list(o.sweep_string_iterator())
+
+
+def _group_dirs(group: str, source: Source) -> list[Path]:
+    group = group.split("@")[0].replace(".", "/")
+    return [Path(d) / group for d in (source.config_dir, source.extra_dir) if d and (Path(d) / group).is_dir()]
+
+
+def _is_group(key: str, source: Source) -> bool:
+    return bool(_group_dirs(key, source))
+
+
+def _group_options(key: str, source: Source) -> list[str]:
+    return sorted({p.stem for d in _group_dirs(key, source) for p in d.glob("*.yaml")})
+
+
+def _precheck_dirs(cfg, run, multirun: bool) -> None:
+    """The run dir (or sweep dir) can be written and no live run holds it: before Hydra writes there."""
+    from omegaconf import OmegaConf
+
+    from framework import rundir
+
+    if multirun:
+        rundir.creatable_dir(OmegaConf.select(cfg, "hydra.sweep.dir"), "hydra.sweep.dir")
+        return
+    run_dir = Path(cfg.hydra.runtime.output_dir)
+    rundir.preflight(run_dir, checkpoints=run.checkpoint.name != "none", resume=run.checkpoint.resume)
+    rundir.refuse_if_locked(run_dir)
+
+
+def _launch_rank() -> int:
+    from framework.rundir import launch_rank
+
+    return launch_rank()
+
+
+def _clear_hydra_config() -> None:
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="framework"):
-            return hydra_compose(config_name=config_name, overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_hydra_message(e)) from None
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().cfg = None  # Hydra sets its own when the job starts
+    except Exception:  # noqa: BLE001, S110  (nothing was set)
+        pass
 
 
-def _hydra_message(e: Exception) -> str:
-    lines = [ln.rstrip() for ln in str(e).splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    text = lines[0]
-    if text.startswith("Could not override") and "+" in str(e):
-        text += " (unknown key; prefix with + to add a new one)"
-    if "Available options" in str(e):  # list the choices, not Hydra's search path
-        i = next(i for i, ln in enumerate(lines) if ln.startswith("Available options"))
-        opts = [ln.strip() for ln in lines[i + 1:] if ln.startswith("\t") and "provider=" not in ln]
-        text += "; available: " + ", ".join(opts)
-    elif len(lines) > 1 and lines[0].startswith(("Ambiguous", "no viable", "mismatched", "extraneous")):
-        text = f"bad override syntax: {text}"
-    return text
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
-# -- the job -------------------------------------------------------------------------------
+# -- the job -------------------------------------------------------------------------------------
 def main(cfg) -> dict:
     """Run one job from a composed config (called by @hydra.main, also from submitit)."""
+    lock = None
     try:
+        resolvers.restrict()
+        trust = job_gate(cfg)
         from framework.config.validate import validate
 
-        run = validate(cfg)
+        run = validate(cfg, trust)
+        run_dir = _run_dir()
+        lock = prepare_run_dir(run, run_dir)
         from framework.runtime import run_job
 
-        return run_job(run, run_dir=_run_dir())
+        return run_job(run, run_dir=run_dir)
     except FrameworkError as e:
         fail(e)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def job_gate(cfg):
+    """The job's own security check (its config may have come from a file); returns the Trust."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from framework.config import security
+
+    if not HydraConfig.initialized():  # called outside Hydra: no Hydra node to check
+        trust = security.Trust()
+        security.check_trust_node(cfg, trust)
+        return trust
+    h = HydraConfig.get()
+    primary = security.primary_config_file(h.runtime.config_sources, h.job.config_name or "config")
+    trust = security.trust_from_file(primary)
+    security.check_trust_node(cfg, trust)
+    security.check_hydra(
+        h,
+        trust,
+        presets=security.Presets.load(CONF_DIR),
+        job_targets=security.target_prefixes(trust),
+        primary_searchpath=_primary_searchpath(primary),
+    )
+    return trust
+
+
+def prepare_run_dir(run, run_dir: Path):
+    """I/O checks on every rank; the main rank takes the run-dir lock (returned; release it at exit)."""
+    from framework import rundir
+
+    rundir.preflight(run_dir, checkpoints=run.checkpoint.name != "none", resume=run.checkpoint.resume)
+    if rundir.launch_rank() == 0:
+        return rundir.RunLock(run_dir).acquire()
+    rundir.refuse_if_locked(run_dir)
+    return None
 
 
 def _run_dir() -> Path:

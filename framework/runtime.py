@@ -16,12 +16,16 @@ import torch
 
 from framework import registry
 from framework.checkpoint.manager import CheckpointManager
-from framework.distributed import collectives, env as dist_env, mesh as mesh_mod, precision as precision_mod
-from framework.distributed.sharding import find_units
+from framework.distributed import collectives
+from framework.distributed import env as dist_env
+from framework.distributed import mesh as mesh_mod
+from framework.distributed import precision as precision_mod
 from framework.errors import ConfigError, DistributedError
 from framework.logging.console import ConsoleSink
 from framework.logging.jsonl import JsonlSink
-from framework.train import optim as optim_mod, schedule as schedule_mod
+from framework.task import Task
+from framework.train import optim as optim_mod
+from framework.train import schedule as schedule_mod
 
 log = logging.getLogger("framework")
 
@@ -54,8 +58,7 @@ def run_job(run, run_dir: Path) -> dict:
             raise
 
 
-_COMM_MARKERS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo",
-                 "nccl", "c10d")
+_COMM_MARKERS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo", "nccl", "c10d")
 
 
 def is_comm_failure(e: BaseException) -> bool:
@@ -68,17 +71,27 @@ def is_comm_failure(e: BaseException) -> bool:
 
 def _check_layout(run, degrees) -> None:
     if run.sharding.name == "none" and degrees.world > 1:
-        raise ConfigError(f"sharding=none on {degrees.world} ranks would train {degrees.world} unsynchronised "
-                          "replicas; use parallel=ddp, fsdp2, hsdp, fsdp2_domain or domain")
+        raise ConfigError(
+            f"sharding=none on {degrees.world} ranks would train {degrees.world} unsynchronised "
+            "replicas; use parallel=ddp, fsdp2, hsdp, fsdp2_domain or domain"
+        )
     if degrees.domain > 1 and run.splitter.name == "off":
-        raise ConfigError(f"parallel.domain={degrees.domain} needs splitter=shard_tensor (or parallel=fsdp2_domain)")
+        raise ConfigError(
+            f"parallel.domain={degrees.domain} needs splitter=rows (or parallel=fsdp2_domain / parallel=domain)"
+        )
+    if degrees.domain > 1:
+        from framework.domain.splitter import model_plan
+
+        model_plan(run.model.name, degrees.domain)  # a model without a split plan: one line, before any group
 
 
 def _dist_message(e: Exception, env, timeout_s: float) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if "timed out" in first.lower() or "timeout" in first.lower():
-        return (f"rank {env.rank}: a collective timed out after {timeout_s:g} s (parallel.timeout_s); "
-                f"a peer rank is dead or hung: {first}")
+        return (
+            f"rank {env.rank}: a collective timed out after {timeout_s:g} s (parallel.timeout_s); "
+            f"a peer rank is dead or hung: {first}"
+        )
     return f"rank {env.rank}: a peer rank failed: {first}"
 
 
@@ -90,62 +103,102 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
     precision = precision_mod.build(run.precision, device)
     precision.apply_backend_flags()
 
-    domain = _domain_group(run, topology)
-    task = registry.tasks.build(run.task.name, run, env, device, barrier=collectives.barrier, domain=domain)
+    task_cls = registry.tasks.entry(run.task.name).builder
+    domain = _domain_group(run, topology, task_cls)
+    task = task_cls(run, env, device, barrier=collectives.barrier, domain=domain)
+    if not isinstance(task, Task):
+        raise ConfigError(f"task '{run.task.name}' ({type(task).__name__}) is not a framework.task.Task")
     task.train_dataset()  # fail on bad data before building anything large
     task.val_dataset()
     model = task.build_model().to(device)
-    model = registry.splitters.build(run.splitter.name, model, run.splitter, topology=topology, domain=domain)
-    if run.trainer.compile:  # per block, before sharding, as torchtitan orders it
-        for _, unit in find_units(model, list(run.sharding.units)):
-            unit.compile()
-    sharded = registry.sharding.build(run.sharding.name, model, run.sharding, topology=topology,
-                                      precision=precision, device=device)
+    model = registry.splitters.build(
+        run.splitter.name,
+        model,
+        run.splitter,
+        topology=topology,
+        domain=domain,
+        plan=registry.models.entry(run.model.name).split_plan,
+        model_name=run.model.name,
+    )
+    if run.trainer.compile:  # per block class, before sharding, as torchtitan orders it
+        from framework.train.compile import compile_model
+
+        compile_model(
+            model,
+            units=list(run.sharding.units),
+            device_type=device.type,
+            deterministic=run.deterministic,
+            cache_dir=run_dir / "compile_cache",
+        )
+    sharded = registry.sharding.build(
+        run.sharding.name, model, run.sharding, topology=topology, precision=precision, device=device
+    )
     model = sharded.model
     precision.sharded_cast = sharded.mixed_precision
 
     optimizer = optim_mod.build(run.optim, model.parameters())
     scheduler = schedule_mod.build(run.schedule, optimizer, run.trainer.max_steps)
     backend = registry.checkpoint.build(run.checkpoint.name, run.checkpoint)
-    checkpoint = (CheckpointManager(run.checkpoint, backend, run_dir, env, barrier=collectives.barrier)
-                  if backend is not None else None)
+    checkpoint = (
+        CheckpointManager(run.checkpoint, backend, run_dir, env, barrier=collectives.barrier)
+        if backend is not None
+        else None
+    )
 
     sinks = []
     if env.is_main:
-        sinks = [JsonlSink(run_dir / "metrics.jsonl"),
-                 ConsoleSink(run.trainer.max_steps, 0, enabled=run.trainer.progress)]
+        sinks = [
+            JsonlSink(run_dir / "metrics.jsonl"),
+            ConsoleSink(run.trainer.max_steps, 0, enabled=run.trainer.progress),
+        ]
         extra = registry.loggers.build(run.logger.name, run.logger, run=run, run_dir=run_dir)
         if extra is not None:
             sinks.append(extra)
         _report(run, env, device, topology, sharded)
 
     trainer_cls = registry.trainers.entry(run.trainer.name).builder
-    trainer = trainer_cls(cfg=run.trainer, run=run, env=env, device=device, task=task, model=model,
-                          optimizer=optimizer, scheduler=scheduler, precision=precision,
-                          checkpoint=checkpoint, sinks=sinks, run_dir=run_dir, dp_rank=topology.dp_rank,
-                          dp_size=topology.dp_size)
+    trainer = trainer_cls(
+        cfg=run.trainer,
+        run=run,
+        env=env,
+        device=device,
+        task=task,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        precision=precision,
+        checkpoint=checkpoint,
+        sinks=sinks,
+        run_dir=run_dir,
+        dp_rank=topology.dp_rank,
+        dp_size=topology.dp_size,
+    )
     try:
         summary = trainer.fit()
     finally:
         for s in sinks:
             s.close()
     if env.is_main:
-        for line in summary.lines():
+        for line in summary.lines(task):
             log.info(line)
-    return {"steps": summary.steps, "final_loss": summary.final_loss, "val": summary.val,
-            "run_dir": summary.run_dir, "resumed_from": summary.resumed_from}
+    return {
+        "steps": summary.steps,
+        "final_loss": summary.final_loss,
+        "val": summary.val,
+        "run_dir": summary.run_dir,
+        "resumed_from": summary.resumed_from,
+    }
 
 
-def _domain_group(run, topology):
-    """Rows of each domain rank at full resolution, multiples of the model's down-sampling."""
-    from framework.domain.comm import DomainGroup
-    from framework.domain.shard_tensor import split_extents
+def _domain_group(run, topology, task_cls):
+    """Rows of each domain rank at full resolution, multiples the task asks for."""
+    from framework.domain.comm import DomainGroup, split_extents
 
     size = topology.degrees.domain
     if size == 1:
         return None
-    multiple = getattr(run.model, "downsample_factor", 1)
-    extents = split_extents(run.data.grid[0], size, multiple)
+    rows, multiple = task_cls.domain_rows(run)
+    extents = split_extents(rows, size, multiple)
     return DomainGroup(topology.group("domain"), extents)
 
 
@@ -154,10 +207,21 @@ def _report(run, env, device, topology, sharded) -> None:
     n = sum(p.numel() for p in params)  # DTensor numel is the global size
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     nbytes = sum(p.numel() * p.element_size() for p in local)
-    log.info("recipe=%s model=%s precision=%s device=%s world=%d",
-             run.recipe, run.model.name, run.precision.name, device, env.world_size)
-    log.info("mesh: %s (parallel=%s, sharding=%s, splitter=%s)", topology.describe(), run.parallel.name,
-             sharded.kind, run.splitter.name)
+    log.info(
+        "recipe=%s model=%s precision=%s device=%s world=%d",
+        run.recipe,
+        run.model.name,
+        run.precision.name,
+        device,
+        env.world_size,
+    )
+    log.info(
+        "mesh: %s (parallel=%s, sharding=%s, splitter=%s)",
+        topology.describe(),
+        run.parallel.name,
+        sharded.kind,
+        run.splitter.name,
+    )
     if sharded.units:
         log.info("FSDP2 units (%d): %s", len(sharded.units), ", ".join(sharded.units))
     log.info("parameters: %.3f M; %.3f MB of parameters on this rank", n / 1e6, nbytes / 2**20)

@@ -24,12 +24,31 @@ from framework.logging.jsonl import read  # noqa: E402
 
 
 def run_layout(layout: list[str], nproc: int, run_dir: Path, steps: int, extra: list[str]) -> list[float]:
-    overrides = [*layout, "deterministic=true", f"trainer.max_steps={steps}", "trainer.log_every=1",
-                 "trainer.val_every=0", "trainer.val_batches=1", "trainer.progress=false", "checkpoint=none",
-                 f"hydra.run.dir={run_dir}", *extra]
-    launcher = [sys.executable, "-m", "framework"] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         "-m", "framework"]
+    overrides = [
+        *layout,
+        "deterministic=true",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=1",
+        "trainer.val_every=0",
+        "trainer.val_batches=1",
+        "trainer.progress=false",
+        "checkpoint=none",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
+    launcher = (
+        [sys.executable, "-m", "framework"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "framework",
+        ]
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([*launcher, *overrides], capture_output=True, text=True, env=env)
     if proc.returncode != 0:

@@ -34,8 +34,19 @@ def run_cli(args, cwd, env=None, timeout=600, nproc=1):
     """Run ``python -m framework`` as a user would (under torchrun for ``nproc`` > 1); returns the
     CompletedProcess. The checkout is on PYTHONPATH (after any PYTHONPATH in ``env``), so a run
     from any ``cwd`` imports this tree."""
-    launcher = [sys.executable, "-m", "framework"] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "framework"]
+    launcher = (
+        [sys.executable, "-m", "framework"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "framework",
+        ]
+    )
     env = dict(env or {})
     # the caller's PYTHONPATH first (a test may shadow a package), then this checkout
     path = os.pathsep.join(filter(None, [env.pop("PYTHONPATH", None), str(REPO), os.environ.get("PYTHONPATH")]))
@@ -46,8 +57,14 @@ def run_cli(args, cwd, env=None, timeout=600, nproc=1):
 def run_module(name: str, args, cwd, timeout=300):
     """``python -m name args`` (an export or inference CLI) from ``cwd``, importing this checkout."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", name, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))
+    return subprocess.run(
+        [sys.executable, "-m", name, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path),
+    )
 
 
 def tiny_overrides(tmp_path, data_root, **extra):

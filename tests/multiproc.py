@@ -19,11 +19,11 @@ def free_port() -> int:
 
 
 def _entry(rank, world, port, fn, args, errors, timeout_s):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         fn(rank, world, *args)
         # Every rank done before any tears gloo down: a rank that destroys its group while a
         # peer still talks to it can abort in gloo's C++ teardown ("terminate called ...").
@@ -43,8 +43,9 @@ def spawn(fn, world: int, *args, timeout_s: float = 120):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, errors, timeout_s), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(
+            _entry, args=(world, free_port(), fn, args, errors, timeout_s), nprocs=world, start_method="spawn"
+        )
     except mp.ProcessRaisedException as e:
         details = [] if errors.empty() else [errors.get()]
         raise AssertionError(f"rank failed: {details or e}") from None

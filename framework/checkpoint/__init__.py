@@ -1,5 +1,10 @@
 """Checkpoint backends behind one manager (see manager.py and docs/checkpointing.md).
 
+Every backend implements ``backend.CheckpointBackend`` (save, load, read_meta, verify,
+export_weights); ``backend.for_checkpoint`` picks the one that reads an existing
+checkpoint; ``locator`` decides which checkpoint a path means ("latest": the newest
+commit of the run's lineage that verifies); ``manifest`` writes and checks the checksums.
+
 - ``torch_save``: one consolidated file (rank 0 writes the gathered state);
 - ``dcp``: torch.distributed.checkpoint, every rank writes its shards, reshards on load;
 - ``dcp_async``: the same files, written in the background after a CPU staging copy;

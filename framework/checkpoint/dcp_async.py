@@ -84,12 +84,19 @@ class AsyncDcpBackend(DcpBackend):
         tensors = _detached(self.split(state, directory, env))
         if not _usable(self._stager):
             cuda = torch.cuda.is_available()
-            self._stager = _Stager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                  use_async_staging=True, use_non_blocking_copy=cuda))
-        response = dcp.async_save(tensors, storage_writer=self.writer(directory),
-                                  process_group=self._coordination_group(),
-                                  async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                                  async_stager=self._stager, no_dist=not _distributed())
+            self._stager = _Stager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+                )
+            )
+        response = dcp.async_save(
+            tensors,
+            storage_writer=self.writer(directory),
+            process_group=self._coordination_group(),
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            async_stager=self._stager,
+            no_dist=not _distributed(),
+        )
         return Pending(response)
 
     def close(self) -> None:
@@ -118,13 +125,6 @@ def _detached(tree):
 
 def _default_timeout() -> datetime.timedelta:
     """The training group's collective timeout (parallel.timeout_s), else torch's default."""
-    from torch.distributed.distributed_c10d import _get_default_group
+    from framework.distributed.env import collective_timeout
 
-    for device in ("cpu", "cuda"):
-        try:
-            return _get_default_group()._get_backend(torch.device(device)).options._timeout
-        except Exception:
-            continue
-    from torch.distributed.constants import default_pg_timeout
-
-    return default_pg_timeout
+    return collective_timeout()

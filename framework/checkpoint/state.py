@@ -19,9 +19,12 @@ import random
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-    set_optimizer_state_dict)
-
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 PARTS = ("model", "optimizer", "schedule", "scaler", "rng", "data")
 TENSOR_PARTS = ("model", "optimizer")  # sharded under FSDP2; the rest is small and replicated
@@ -33,9 +36,12 @@ def rng_state() -> dict:
     np_state = np.random.get_state(legacy=False)
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                  "pos": int(np_state["state"]["pos"]),
-                  "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+        "numpy": {
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -46,9 +52,14 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state({"bit_generator": "MT19937",
-                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    np.random.set_state(
+        {
+            "bit_generator": "MT19937",
+            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+        }
+    )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
@@ -107,7 +118,16 @@ def template(t, exclude=()) -> dict:
 
 
 def restore(t, state: dict, *, exclude=(), full: bool) -> None:
-    """Load ``state`` (all parts but ``rng``) into trainer ``t``, skipping ``exclude``."""
+    """Load ``state`` (all parts but ``rng``) into trainer ``t``, skipping ``exclude``.
+
+    The optimizer's hyper-parameters (lr, betas, eps, weight_decay, ...) are those of the
+    current config, not the checkpoint's: a resume with ``optim.lr=...`` trains at that
+    rate. The checkpoint's state (moments, step counts) and the schedule's position are
+    restored; the schedule's base learning rates follow the config, and the current
+    learning rate is the schedule's factor at the restored step times the configured one.
+    What differs from the checkpoint is logged.
+    """
+    configured = _hyper_parameters(t.optimizer)
     opts = StateDictOptions(full_state_dict=full, strict=True)
     if "model" not in exclude:
         set_model_state_dict(t.model, state["model"], options=opts)
@@ -115,9 +135,106 @@ def restore(t, state: dict, *, exclude=(), full: bool) -> None:
         set_optimizer_state_dict(t.model, t.optimizer, state["optimizer"], options=opts)
     if "schedule" not in exclude:
         t.scheduler.load_state_dict(state["schedule"])
+    _apply_hyper_parameters(t, configured)
     scaler = t.precision.scaler
     if "scaler" not in exclude and scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     if "data" not in exclude:
         t.step = int(state["data"]["step"])
     t.run_id = state.get("meta", {}).get("run_id") or t.run_id
+
+
+_NOT_HYPER = ("params", "lr", "initial_lr")
+
+
+def _hyper_parameters(optimizer) -> list[dict]:
+    """Per param group, the configured hyper-parameters of the live (fresh) optimizer; ``lr`` is
+    the configured base rate (the schedule's ``initial_lr``, else the group's ``lr``, else
+    ``optimizer.defaults``)."""
+    out = []
+    for g in optimizer.param_groups:
+        values = {k: v for k, v in g.items() if k not in _NOT_HYPER}
+        values["lr"] = g.get("initial_lr", g.get("lr", optimizer.defaults.get("lr")))
+        out.append(values)
+    return out
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        try:
+            return bool(torch.as_tensor(a).cpu().eq(torch.as_tensor(b).cpu()).all())
+        except Exception:
+            return False
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _apply_hyper_parameters(t, configured: list[dict]) -> None:
+    import logging
+
+    log = logging.getLogger("framework")
+    groups, sched = t.optimizer.param_groups, t.scheduler
+    if len(groups) != len(configured):  # a different grouping: nothing to map by position
+        log.warning(
+            "optimizer: the checkpoint has %d param groups, the config %d; hyper-parameters kept from the checkpoint",
+            len(groups),
+            len(configured),
+        )
+        return
+    changed = []
+    bases = list(getattr(sched, "base_lrs", []) or [])
+    for i, (g, want) in enumerate(zip(groups, configured)):
+        for k, v in want.items():
+            if k == "lr":  # the base rate: the schedule's, and the group's initial_lr
+                seen = [x for x in (bases[i] if i < len(bases) else None, g.get("initial_lr")) if x is not None]
+                seen = seen or [g.get("lr")]
+                have = next((x for x in seen if not _same(x, v)), seen[0])
+            else:
+                have = g.get(k)
+            if not _same(have, v):
+                changed.append((i, k, have, v))
+            if k != "lr":
+                g[k] = v
+    lr_changed = {i for i, k, _, _ in changed if k == "lr"}
+    if lr_changed:
+        factors = _schedule_factors(sched, groups, bases)
+        for i in lr_changed:
+            base = configured[i]["lr"]
+            if i < len(bases):
+                bases[i] = base
+            g = groups[i]
+            if "initial_lr" in g:
+                g["initial_lr"] = base
+            g["lr"] = base * factors[i] if factors[i] is not None else base
+        if bases:
+            sched.base_lrs = bases
+        if hasattr(sched, "_last_lr"):
+            sched._last_lr = [g["lr"] for g in groups]
+    if changed:
+        text = ", ".join(
+            f"{k} {_fmt(a)} -> {_fmt(b)}" + (f" (group {i})" if len(groups) > 1 else "") for i, k, a, b in changed
+        )
+        log.info("resume: optimizer hyper-parameters from the config, not the checkpoint: %s", text)
+
+
+def _schedule_factors(sched, groups, bases) -> list[float | None]:
+    """The schedule's multiplier of the base rate at its restored step, per group."""
+    lambdas = getattr(sched, "lr_lambdas", None)
+    if lambdas is not None and len(lambdas) == len(groups):  # LambdaLR: exact, as its step computes it
+        return [float(f(sched.last_epoch)) for f in lambdas]
+    out = []
+    for i, g in enumerate(groups):  # any other scheduler: the ratio it had reached
+        base = bases[i] if i < len(bases) else None
+        out.append(float(g["lr"]) / float(base) if base else None)
+    return out
+
+
+def _fmt(v) -> str:
+    if torch.is_tensor(v):
+        v = v.tolist()
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_fmt(x) for x in v) + ")"
+    return repr(v)

@@ -8,7 +8,7 @@ Recipe-specific schemas (models, datasets, tasks) live beside their recipe.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -85,7 +85,6 @@ class ShardingConfig:
     forward_prefetch: bool = False
     units: list[str] = field(default_factory=list)  # FSDP unit classes; []: repeated blocks
 
-
     def __post_init__(self):
         one_of(self, "reshard_after_forward", ("default", "always", "never"))
 
@@ -127,9 +126,9 @@ class CheckpointConfig:
 class LoggerConfig:
     name: str = "console"
     project: str = "framework"
-    entity: Optional[str] = None
+    entity: str | None = None
     mode: str = "offline"  # wandb: offline | online | disabled
-    group: Optional[str] = None
+    group: str | None = None
     images: bool = True
 
 
@@ -142,7 +141,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     weight_decay: float = 0.0
-    fused: Optional[bool] = None
+    fused: bool | None = None
 
     def __post_init__(self):
         non_negative(self, "lr", "weight_decay")

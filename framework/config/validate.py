@@ -10,14 +10,13 @@ import dataclasses
 import os
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import registry
 from framework.config.schema import FIXED, Invalid, TopConfig
+from framework.config.security import Trust, check_targets_resolved, check_targets_unresolved, target_prefixes
 from framework.errors import ConfigError
-
-ALLOWED_TARGET_PREFIXES = ("framework.", "recipes.", "torch.optim.")
 
 # Group node -> the registry whose entry (selected by the node's ``name``) owns its schema.
 REGISTRY_GROUPS = {
@@ -54,23 +53,16 @@ class RunConfig:
         raise AttributeError(name)
 
 
-def check_targets(node: Any, path: str = "") -> None:
-    """Refuse any ``_target_`` outside the allowed prefixes, before anything is imported."""
-    if isinstance(node, DictConfig):
-        for key in node.keys():
-            sub = f"{path}.{key}" if path else str(key)
-            if key == "_target_":
-                value = node._get_node(key)._value()  # unresolved: never evaluate an interpolation to check it
-                value = str(value)
-                if not value.startswith(ALLOWED_TARGET_PREFIXES):
-                    raise ConfigError(
-                        f"{sub}: target '{value}' is not allowed; targets must start with "
-                        + ", ".join(ALLOWED_TARGET_PREFIXES))
-                continue
-            check_targets(node._get_node(key), sub)
-    elif isinstance(node, ListConfig):
-        for i in range(len(node)):
-            check_targets(node._get_node(i), f"{path}[{i}]")
+def check_targets(cfg: DictConfig, trust: Trust | None = None) -> None:
+    """Refuse any ``_target_`` outside the allowed prefixes, unresolved and resolved (see security.py)."""
+    allowed = target_prefixes(trust)
+    check_targets_unresolved(cfg, allowed)
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key or 'config'}: {_first_line(e)}") from None
+    check_targets_resolved(plain, allowed, skip=("hydra",))
 
 
 def _first_line(e: Exception) -> str:
@@ -97,19 +89,23 @@ def _typed(group: str, schema: type, node: DictConfig):
         raise ConfigError(f"{group}: {_first_line(e)}") from None
 
 
-def validate(cfg: DictConfig) -> RunConfig:
-    check_targets(cfg)
+def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
+    """The typed run config; ``trust`` is what the primary config file grants (security.Trust)."""
+    allowed = target_prefixes(trust)
+    check_targets_unresolved(cfg, allowed)  # before anything is resolved or imported
     try:
-        resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        plain = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"{key or 'config'}: {_first_line(e)}") from None
-    resolved.pop("hydra", None)
+    plain.pop("hydra", None)
+    plain.pop("trust", None)  # checked against the primary config file by framework.cli
+    check_targets_resolved(plain, allowed)  # also the _target_s an interpolation produced
+    resolved = OmegaConf.create(plain)
 
     unknown = [k for k in resolved.keys() if k not in GROUPS and k not in TOP_KEYS]
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown top-level key; valid keys: "
-                          + ", ".join(sorted(GROUPS + TOP_KEYS)))
+        raise ConfigError(f"{unknown[0]}: unknown top-level key; valid keys: " + ", ".join(sorted(GROUPS + TOP_KEYS)))
     top = _typed("", TopConfig, OmegaConf.create({k: resolved[k] for k in TOP_KEYS if k in resolved}))
 
     schemas: dict[str, type] = {}
@@ -130,8 +126,9 @@ def validate(cfg: DictConfig) -> RunConfig:
     for g in GROUPS:
         resolved[g] = OmegaConf.merge(OmegaConf.structured(schemas[g]), resolved[g])
 
-    run = RunConfig(recipe=top.recipe, seed=top.seed, deterministic=top.deterministic,
-                    device=top.device, nodes=nodes, raw=resolved)
+    run = RunConfig(
+        recipe=top.recipe, seed=top.seed, deterministic=top.deterministic, device=top.device, nodes=nodes, raw=resolved
+    )
     _check_combinations(run)
     return run
 
@@ -141,7 +138,4 @@ def _check_combinations(run: RunConfig) -> None:
     if ck.resume not in ("latest", "none") and not os.path.exists(ck.resume):
         raise ConfigError(f"checkpoint.resume: path does not exist: {ck.resume}")
     # Recipe-level consistency (grid vs model down-sampling, batch vs accumulation, ...).
-    task = registry.tasks.entry(run.task.name)
-    check = getattr(task.builder, "check_config", None)
-    if check is not None:
-        check(run)
+    registry.tasks.entry(run.task.name).builder.check_config(run)

@@ -14,8 +14,17 @@ from framework.errors import ConfigError
 
 
 class GlobalBatchSampler(torch.utils.data.Sampler):
-    def __init__(self, num_samples: int, global_batch: int, *, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, start_step: int = 0, shuffle: bool = True):
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        *,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        start_step: int = 0,
+        shuffle: bool = True,
+    ):
         if global_batch % dp_size:
             raise ConfigError(f"data.batch_size: {global_batch} is not divisible by the {dp_size} data-parallel ranks")
         if num_samples < global_batch:
@@ -36,12 +45,12 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
             else:
                 self._perm = list(range(self.num_samples))
             self._epoch = epoch
-        return self._perm[k * self.global_batch:(k + 1) * self.global_batch]
+        return self._perm[k * self.global_batch : (k + 1) * self.global_batch]
 
     def local_indices(self, step: int) -> list[int]:
         per_rank = self.global_batch // self.dp_size
         batch = self.global_batch_indices(step)
-        return batch[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        return batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
     def __iter__(self):
         # Infinite: training is counted in steps, epochs roll over inside.

@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,16 +79,41 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float):
     if not env.distributed:
         yield
         return
+    global _timeout
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
+    _timeout = timeout
     done = False
     try:
         yield
         done = True
     finally:
+        _timeout = None
         with contextlib.suppress(Exception):  # a broken group cannot block the exit
             if done:  # every rank finished before any tears gloo down (its C++ teardown can abort)
                 dist.barrier()
             dist.destroy_process_group()
+
+
+_timeout: datetime.timedelta | None = None  # what process_group() gave the default group
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The default group's collective timeout, for groups created beside it (same patience).
+
+    The one ``process_group`` set (``parallel.timeout_s``); for a group initialised by
+    someone else (a test harness, an embedding application) the one in its backend
+    options (``framework.compat.group_timeout``); else torch's default.
+    """
+    if _timeout is not None:
+        return _timeout
+    from framework.compat import group_timeout
+
+    found = group_timeout()
+    if found is not None:
+        return found
+    from torch.distributed import default_pg_timeout
+
+    return default_pg_timeout

@@ -9,7 +9,8 @@ Views (as torchtitan folds context parallel into the FSDP axis):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from framework.config.schema import ParallelConfig
 from framework.errors import ConfigError
@@ -42,13 +43,17 @@ def resolve(cfg: ParallelConfig, world_size: int) -> Degrees:
     free = [k for k, v in sizes.items() if v == -1]
     if free:
         if world_size % fixed:
-            raise ConfigError(f"parallel: dp_replicate x dp_shard x domain = {_fmt(sizes)} cannot fill "
-                              f"{world_size} ranks ({world_size} is not divisible by {fixed})")
+            raise ConfigError(
+                f"parallel: dp_replicate x dp_shard x domain = {_fmt(sizes)} cannot fill "
+                f"{world_size} ranks ({world_size} is not divisible by {fixed})"
+            )
         sizes[free[0]] = world_size // fixed
     deg = Degrees(**sizes)
     if deg.world != world_size:
-        raise ConfigError(f"parallel: dp_replicate x dp_shard x domain = {_fmt(sizes)} = {deg.world} "
-                          f"does not match the world size {world_size}")
+        raise ConfigError(
+            f"parallel: dp_replicate x dp_shard x domain = {_fmt(sizes)} = {deg.world} "
+            f"does not match the world size {world_size}"
+        )
     return deg
 
 
@@ -59,10 +64,11 @@ def _fmt(sizes: dict) -> str:
 @dataclass
 class Topology:
     degrees: Degrees
-    mesh: object | None  # torch DeviceMesh, None in a single process
+    mesh: Any  # torch DeviceMesh, None in a single process
     dp_rank: int
     domain_rank: int
-    views: dict = None  # flattened / 2-D meshes, kept here (slicing them off the root is deprecated)
+    # flattened / 2-D meshes, kept here (slicing them off the root is deprecated)
+    views: dict[str, Any] = field(default_factory=dict)
 
     @property
     def dp_size(self) -> int:
@@ -90,10 +96,14 @@ def build(degrees: Degrees, device_type: str) -> Topology:
         return Topology(degrees, None, 0, 0, {})
     from torch.distributed.device_mesh import init_device_mesh
 
+    from framework.compat import flatten_mesh
+
     r, s, d = degrees.dp_replicate, degrees.dp_shard, degrees.domain
     mesh = init_device_mesh(device_type, (r, s, d), mesh_dim_names=AXES)
-    views = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-             "fsdp": mesh["dp_shard", "domain"]._flatten("fsdp")}
+    views = {
+        "dp": flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp"),
+        "fsdp": flatten_mesh(mesh, ("dp_shard", "domain"), "fsdp"),
+    }
     if r > 1:
         # The same ranks, row-major, seen as (replicate, shard x domain): FSDP2's HSDP mesh.
         views["hsdp"] = init_device_mesh(device_type, (r, s * d), mesh_dim_names=("dp_replicate", "fsdp"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -63,8 +64,9 @@ def find_units(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]
         wanted = set(names)
     else:
         containers = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
-        counts = Counter(type(m).__name__ for _, m in modules
-                         if any(True for _ in m.children()) and not isinstance(m, containers))
+        counts = Counter(
+            type(m).__name__ for _, m in modules if any(True for _ in m.children()) and not isinstance(m, containers)
+        )
         wanted = {n for n, c in counts.items() if c >= 2}
     picked: list[tuple[str, nn.Module]] = []
     for name, m in modules:
@@ -84,12 +86,12 @@ def _contiguous_params(model: nn.Module) -> None:
 
 @registry.sharding.register("fsdp2", ShardingConfig)
 def fsdp2(model: nn.Module, cfg: ShardingConfig, *, topology, precision, **_) -> Sharded:
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
     if topology.mesh is None:
         return Sharded(model, "none")
     mesh = topology.view("hsdp" if topology.degrees.dp_replicate > 1 else "fsdp")
-    kwargs = {"mesh": mesh}
+    kwargs: dict[str, Any] = {"mesh": mesh}
     mp = precision.mixed_precision_policy() if precision.autocast_dtype == torch.bfloat16 else None
     if mp is not None:
         kwargs["mp_policy"] = mp
@@ -107,7 +109,8 @@ def fsdp2(model: nn.Module, cfg: ShardingConfig, *, topology, precision, **_) ->
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward == "always", **kwargs)
     described.append(f"<root> (reshard={cfg.reshard_after_forward == 'always'})")
     if cfg.forward_prefetch:
-        for (_, cur), (_, nxt) in zip(units, units[1:]):
+        sharded = [cast(FSDPModule, unit) for _, unit in units]  # fully_shard made them FSDPModules
+        for cur, nxt in zip(sharded, sharded[1:]):
             cur.set_modules_to_forward_prefetch([nxt])
     kind = "hsdp" if topology.degrees.dp_replicate > 1 else "fsdp2"
     return Sharded(model, kind, described, mixed_precision=mp is not None)

@@ -1,13 +1,32 @@
-"""Differentiable collectives over the domain group: halo exchange, sums, row gathers.
+"""The domain group and its differentiable collectives: halo exchange, sums, row gathers.
 
 Each forward op has the exact adjoint as its backward, so gradients of a model split
-over rows equal those of the whole model.
+over rows equal those of the whole model. At the boundaries nothing more is needed: each
+rank reads its own rows (``DomainGroup.extents``, ``split_extents``), losses and metrics
+are local sums, and ``gather_rows`` gives the whole field where one is wanted (plots).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from framework.errors import ConfigError
+
+
+def split_extents(rows: int, parts: int, multiple: int = 1) -> list[int]:
+    """Rows per rank, each a multiple of ``multiple`` (the model's total down-sampling),
+    as even as that allows; the first ranks take the remainder."""
+    if rows % multiple:
+        raise ConfigError(f"data.grid: {rows} rows are not a multiple of {multiple}, the model's total down-sampling")
+    units = rows // multiple
+    if units < parts:
+        raise ConfigError(
+            f"parallel.domain: {rows} rows cannot be split over {parts} domain ranks in "
+            f"multiples of {multiple} (at most {units} ranks)"
+        )
+    base, extra = divmod(units, parts)
+    return [(base + (1 if r < extra else 0)) * multiple for r in range(parts)]
 
 
 class DomainGroup:
@@ -18,8 +37,7 @@ class DomainGroup:
         self.size = len(extents)
         self.rank = dist.get_rank(group) if group is not None else 0
         self.extents = list(extents)
-        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)] if group is not None \
-            else [0]
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)] if group is not None else [0]
 
     def extents_like(self, local_rows: int) -> list[int]:
         """Every rank's rows at the resolution where this rank holds ``local_rows``."""
@@ -48,7 +66,7 @@ class _Halo(torch.autograd.Function):
         ctx.plan, ctx.dg, ctx.dim = plan, dg, dim
         r, n = dg.rank, x.shape[dim]
         top, bottom = plan[r]
-        rows = lambda k: x.new_zeros(*x.shape[:dim], k, *x.shape[dim + 1:])  # noqa: E731
+        rows = lambda k: x.new_zeros(*x.shape[:dim], k, *x.shape[dim + 1 :])  # noqa: E731
         parts, sends, recvs = [x], [], []
         if top:
             parts.insert(0, rows(top))
@@ -79,10 +97,10 @@ class _Halo(torch.autograd.Function):
             sends.append((g.narrow(dim, top + n, bottom), r + 1))
         from_prev = from_next = None
         if r > 0 and plan[r - 1][1]:
-            from_prev = grad.new_empty(*grad.shape[:dim], plan[r - 1][1], *grad.shape[dim + 1:])
+            from_prev = grad.new_empty(*grad.shape[:dim], plan[r - 1][1], *grad.shape[dim + 1 :])
             recvs.append((from_prev, r - 1))
         if r + 1 < dg.size and plan[r + 1][0]:
-            from_next = grad.new_empty(*grad.shape[:dim], plan[r + 1][0], *grad.shape[dim + 1:])
+            from_next = grad.new_empty(*grad.shape[:dim], plan[r + 1][0], *grad.shape[dim + 1 :])
             recvs.append((from_next, r + 1))
         _p2p(sends, recvs, dg)
         if from_prev is not None:
@@ -107,8 +125,10 @@ def halo_exchange(x: torch.Tensor, halo: int, dg: DomainGroup, dim: int = 2) -> 
         return x
     thinnest = min(dg.extents_like(x.shape[dim])) if dim == 2 else x.shape[dim]
     if dg.size > 1 and thinnest < halo:  # checked on every rank alike, so all of them stop, none waits
-        raise ValueError(f"a domain rank holds {thinnest} rows but the layer needs a halo of {halo}: "
-                         "use fewer domain ranks or a larger grid")
+        raise ValueError(
+            f"a domain rank holds {thinnest} rows but the layer needs a halo of {halo}: "
+            "use fewer domain ranks or a larger grid"
+        )
     return halo_rows(x, ((halo, halo),) * dg.size, dg, dim)
 
 
@@ -156,4 +176,3 @@ class _GatherRows(torch.autograd.Function):
 def gather_rows(x: torch.Tensor, dg: DomainGroup, dim: int = 2) -> torch.Tensor:
     """The full tensor along ``dim`` from every rank's rows (uneven extents allowed)."""
     return x if dg.size == 1 else _GatherRows.apply(x, dg, dim)
-

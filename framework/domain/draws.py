@@ -76,8 +76,16 @@ def normal(keys: Sequence, device=None) -> torch.Tensor:
     return _box_muller(_uniform(u1), _uniform(u2))
 
 
-def field_normal(keys: Sequence, shape: Sequence[int], *, row_offset: int = 0, full_rows: int | None = None,
-                 dim: int = -2, device=None, dtype=torch.float32) -> torch.Tensor:
+def field_normal(
+    keys: Sequence,
+    shape: Sequence[int],
+    *,
+    row_offset: int = 0,
+    full_rows: int | None = None,
+    dim: int = -2,
+    device=None,
+    dtype=torch.float32,
+) -> torch.Tensor:
     """Standard normals of shape ``(len(keys), *shape)``: one field per key (per sample).
 
     ``shape`` is this rank's part of the field, cut along ``dim`` (of ``shape``; rows by
@@ -93,7 +101,7 @@ def field_normal(keys: Sequence, shape: Sequence[int], *, row_offset: int = 0, f
     if math.prod(full) >= 1 << 32:
         raise ValueError(f"field of {math.prod(full)} elements is too large for 32-bit position keys")
     # Global flat index of every local element: strides of the full field, rows shifted.
-    stride = [math.prod(full[i + 1:]) for i in range(len(full))]
+    stride = [math.prod(full[i + 1 :]) for i in range(len(full))]
     index = torch.zeros((), dtype=torch.int64, device=device)
     for i, n in enumerate(shape):
         ax = torch.arange(n, dtype=torch.int64, device=device) + (row_offset if i == dim else 0)
@@ -103,7 +111,7 @@ def field_normal(keys: Sequence, shape: Sequence[int], *, row_offset: int = 0, f
     for b, key in enumerate(keys):
         key = _key(key)
         for s in range(0, flat.numel(), _CHUNK):
-            idx = flat[s:s + _CHUNK]
+            idx = flat[s : s + _CHUNK]
             z = _box_muller(_uniform(_bits(idx, key, 1)), _uniform(_bits(idx, key, 2)))
-            out[b, s:s + _CHUNK] = z.to(dtype)
+            out[b, s : s + _CHUNK] = z.to(dtype)
     return out.reshape(len(keys), *shape)

@@ -15,8 +15,7 @@ class ConsoleSink:
         # A bar only on a terminal; in files (SLURM logs, CI) the logged rows say the same.
         self.bar = None
         if enabled and sys.stderr.isatty():
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            file=sys.stderr)
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def advance(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
         if self.bar is None:
@@ -30,8 +29,9 @@ class ConsoleSink:
         self.bar.set_postfix(post, refresh=False)
 
     def log(self, row: dict) -> None:
-        text = "  ".join(f"{k}={_fmt(v)}" for k, v in row.items()
-                         if "/" not in k)  # per-channel detail stays in metrics.jsonl
+        text = "  ".join(
+            f"{k}={_fmt(v)}" for k, v in row.items() if "/" not in k
+        )  # per-channel detail stays in metrics.jsonl
         if self.bar is not None:
             self.bar.write(text)
         else:

@@ -37,15 +37,22 @@ class WandbSink:
 
     def start(self, trainer) -> None:
         import wandb
-
         from omegaconf import OmegaConf
 
         name, sweep = _hydra_labels()
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.wb = wandb.init(project=self.cfg.project, entity=self.cfg.entity, group=self.cfg.group or sweep,
-                             job_type=self.run.recipe, name=name or self.run_dir.name, id=trainer.run_id,
-                             resume="allow", dir=str(self.run_dir), mode=self.cfg.mode,
-                             config=OmegaConf.to_container(self.run.raw, resolve=True))
+        self.wb = wandb.init(
+            project=self.cfg.project,
+            entity=self.cfg.entity,
+            group=self.cfg.group or sweep,
+            job_type=self.run.recipe,
+            name=name or self.run_dir.name,
+            id=trainer.run_id,
+            resume="allow",
+            dir=str(self.run_dir),
+            mode=self.cfg.mode,
+            config=OmegaConf.to_container(self.run.raw, resolve=True),
+        )
 
     def log(self, row: dict) -> None:
         if self.wb is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def count_flops(fn) -> tuple[object, int]:
+def count_flops(fn) -> tuple[Any, int]:
     """Run ``fn`` once under FlopCounterMode; returns (its result, FLOPs it executed)."""
     from torch.utils.flop_counter import FlopCounterMode
 

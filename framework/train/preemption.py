@@ -1,10 +1,12 @@
-"""Stop cleanly when SLURM says so: preemption / time-limit signals and a wall-time margin.
+"""Stop cleanly when SLURM or the user says so: preemption / time-limit signals, Ctrl-C, a wall-time margin.
 
-A signal (SIGUSR2, as submitit asks SLURM to send before the limit; SIGTERM) only sets a
-flag. At the next step boundary every rank learns whether any rank was signalled (one
-tiny all-reduce on a CPU group, so a GPU stream never waits), they save a checkpoint
-together and stop; the handler that was installed before ours (submitit's requeue)
-then runs, and the requeued job resumes from that checkpoint.
+A signal (SIGUSR2, as submitit asks SLURM to send before the limit; SIGTERM; the first
+Ctrl-C, SIGINT) only sets a flag. At the next step boundary every rank learns whether any
+rank was signalled (one tiny all-reduce on a CPU group, so a GPU stream never waits), they
+save a checkpoint together and stop (exit 75); the handler that was installed before ours
+(submitit's requeue) then runs, and the requeued job resumes from that checkpoint. A
+second Ctrl-C while the first is pending aborts at once (KeyboardInterrupt: exit 130, no
+checkpoint).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import torch
@@ -19,7 +22,7 @@ import torch.distributed as dist
 
 from framework.errors import FrameworkError
 
-SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 
 class Stopped(FrameworkError):
@@ -35,8 +38,9 @@ def slurm_end_time() -> float | None:
     if not job:
         return None
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True,
-                             timeout=30).stdout.strip()
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
         return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
     except Exception:  # no squeue, unlimited time ("N/A"), ...
         return None
@@ -55,7 +59,10 @@ class StopRequest:
 
     def install(self) -> None:
         for s in SIGNALS:
-            self.previous[s] = signal.getsignal(s)
+            previous = signal.getsignal(s)
+            if s == signal.SIGINT and previous is signal.SIG_IGN:
+                continue  # Ctrl-C is ignored here (e.g. a background job): leave it so
+            self.previous[s] = previous
             signal.signal(s, self._on_signal)
         if dist.is_available() and dist.is_initialized():
             # CPU group: agreeing on the flag never synchronises a GPU stream
@@ -67,7 +74,18 @@ class StopRequest:
         self.previous = {}
 
     def _on_signal(self, signum, frame) -> None:
-        self.signum = signum  # acted on at the next step boundary
+        first, self.signum = self.signum, self.signum or signum  # first: a handler can interrupt a handler
+        if signum != signal.SIGINT:
+            return  # acted on at the next step boundary
+        if first is not None:
+            # a second Ctrl-C: give up on the orderly stop and abort now
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        # os.write: print is not reentrant in a signal handler
+        os.write(
+            sys.stderr.fileno(),
+            b"interrupt: stopping at the next step with a checkpoint (Ctrl-C again to abort at once)\n",
+        )
 
     def reason(self) -> str:
         if self.signum is not None:
@@ -89,5 +107,5 @@ class StopRequest:
         """Run the handler that was there before ours (submitit: requeue on rank 0)."""
         previous = self.previous.get(self.signum) if self.signum is not None else None
         self.uninstall()
-        if callable(previous):
+        if callable(previous) and previous is not signal.default_int_handler:  # Python's own raises KeyboardInterrupt
             previous(self.signum, None)

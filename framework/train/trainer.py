@@ -1,8 +1,9 @@
 """The training loop: one readable loop, top to bottom.
 
-Everything it touches is built elsewhere (cli.build): the task owns data, model and
-loss; the precision policy owns autocast and the GradScaler; the checkpoint manager
-owns files. Sharding has already been applied to ``model``.
+Everything it touches is built elsewhere (framework.runtime): the task (framework.task.Task)
+owns data, model, loss and scores; the precision policy owns autocast and the GradScaler;
+the checkpoint manager owns files. Splitting and sharding have already been applied to
+``model``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from framework.config.schema import TrainerConfig
 from framework.data.loader import eval_loader, train_loader
 from framework.data.sampler import GlobalBatchSampler
 from framework.distributed import collectives
-from framework.errors import FrameworkError
+from framework.errors import ConfigError, FrameworkError
 from framework.train import metrics, preemption
 
 log = logging.getLogger("framework")
 
 
 class NonFiniteLoss(FrameworkError):
+    """A step's loss or gradient norm was NaN or inf: the run stops, the last good checkpoint stays."""
+
     exit_code = 4
 
 
@@ -40,21 +43,37 @@ class Summary:
     run_dir: str = ""
     resumed_from: str | None = None
 
-    def lines(self) -> list[str]:
-        out = [f"done: {self.steps} steps, final train loss {self.final_loss:.4g}"
-               if self.final_loss is not None else f"done: {self.steps} steps"]
+    def lines(self, task) -> list[str]:
+        out = [
+            f"done: {self.steps} steps, final train loss {self.final_loss:.4g}"
+            if self.final_loss is not None
+            else f"done: {self.steps} steps"
+        ]
         if self.val:
-            r, p = self.val["rmse"], self.val["rmse_persistence"]
-            verdict = "beats" if r < p else "does NOT beat"
-            out.append(f"validation RMSE {r:.4g} vs persistence {p:.4g} (normalized units): "
-                       f"model {verdict} persistence")
+            out += task.summary_lines(self.val)
         out.append(f"run dir: {self.run_dir}")
         return out
 
 
 class Trainer:
-    def __init__(self, *, cfg: TrainerConfig, run, env, device, task, model, optimizer, scheduler,
-                 precision, checkpoint, sinks, run_dir: Path, dp_rank=0, dp_size=1):
+    def __init__(
+        self,
+        *,
+        cfg: TrainerConfig,
+        run,
+        env,
+        device,
+        task,
+        model,
+        optimizer,
+        scheduler,
+        precision,
+        checkpoint,
+        sinks,
+        run_dir: Path,
+        dp_rank=0,
+        dp_size=1,
+    ):
         self.cfg, self.run, self.env, self.device = cfg, run, env, device
         self.task, self.model, self.optimizer, self.scheduler = task, model, optimizer, scheduler
         self.precision, self.checkpoint, self.sinks = precision, checkpoint, sinks
@@ -66,6 +85,9 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:12]
         self.flops_per_sample: float | None = None
         self.skipped_steps = 0
+        # First step whose loss or gradient norm was not finite (-1: none), kept on the device
+        # and read only where the loop syncs anyway (log steps, saves, the end): no per-step sync.
+        self._first_bad = torch.full((), -1, dtype=torch.int64, device=device)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
@@ -80,8 +102,10 @@ class Trainer:
     def _micro_batches(self, batch: dict) -> list[dict]:
         n = self.cfg.grad_accum
         size = next(v for v in batch.values() if torch.is_tensor(v)).shape[0] // n
-        return [{k: v[i * size:(i + 1) * size] if torch.is_tensor(v) and v.dim() else v
-                 for k, v in batch.items()} for i in range(n)]
+        return [
+            {k: v[i * size : (i + 1) * size] if torch.is_tensor(v) and v.dim() else v for k, v in batch.items()}
+            for i in range(n)
+        ]
 
     # -- one optimizer step ------------------------------------------------------------------
     def train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +130,10 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if scaler is None:  # (a GradScaler skips non-finite steps itself and counts them)
+            # The norm is global (reduced over every rank), so every rank flags the same step.
+            bad = ~(torch.isfinite(grad_norm) & torch.isfinite(total))
+            self._first_bad = torch.where(bad & (self._first_bad < 0), self.step + 1, self._first_bad)
         if self.checkpoint is not None:  # an async save must finish reading before params change
             self.checkpoint.before_optimizer_step()
         if scaler:
@@ -123,9 +151,16 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict:
         data = self.run.data
-        loader = eval_loader(self.task.val_dataset(), batch_size=data.batch_size, dp_rank=self.dp_rank,
-                             dp_size=self.dp_size, max_batches=self.cfg.val_batches,
-                             num_workers=data.num_workers, pin_memory=data.pin_memory, device=self.device)
+        loader = eval_loader(
+            self.task.val_dataset(),
+            batch_size=data.batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            max_batches=self.cfg.val_batches,
+            num_workers=data.num_workers,
+            pin_memory=data.pin_memory,
+            device=self.device,
+        )
         self.model.eval()
         sums: dict[str, torch.Tensor] = {}
         for batch in loader:
@@ -138,8 +173,7 @@ class Trainer:
             collectives.all_reduce_sum(v)
         row = {"step": self.step, "split": "val", **self.task.val_summary(sums)}
         self._log(row)
-        figures = getattr(self.task, "val_figures", None)
-        images = figures(self.run_dir / "plots", self.step) if figures else {}
+        images = self.task.val_figures(self.run_dir / "plots", self.step)
         for sink in self.sinks if images else ():
             if hasattr(sink, "log_images"):
                 sink.log_images(self.step, images)
@@ -151,18 +185,39 @@ class Trainer:
         if self.checkpoint is not None:
             path = self.checkpoint.resume_path()
             if path is not None:
+                self._check_resume(path)
                 self.checkpoint.load(path, self)
                 resumed = str(path)
                 log.info("resumed from %s at step %d", path, self.step)
         self._start = self.step
+        if self.step > self.cfg.max_steps:
+            raise ConfigError(
+                f"trainer.max_steps={self.cfg.max_steps} is below the step of the checkpoint resumed "
+                f"({self.step}); set trainer.max_steps above {self.step} to train on"
+            )
+        if self.step == self.cfg.max_steps and resumed:
+            log.info("already at trainer.max_steps=%d (resumed from %s): nothing to train", self.step, resumed)
         for sink in self.sinks:  # sinks that need the (restored) run id start now
             if hasattr(sink, "start"):
                 sink.start(self)
         data = self.run.data
-        sampler = GlobalBatchSampler(len(self.task.train_dataset()), data.batch_size, dp_rank=self.dp_rank,
-                                     dp_size=self.dp_size, seed=self.run.seed, start_step=self.step)
-        batches = iter(train_loader(self.task.train_dataset(), sampler, num_workers=data.num_workers,
-                                    pin_memory=data.pin_memory, device=self.device))
+        sampler = GlobalBatchSampler(
+            len(self.task.train_dataset()),
+            data.batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            seed=self.run.seed,
+            start_step=self.step,
+        )
+        batches = iter(
+            train_loader(
+                self.task.train_dataset(),
+                sampler,
+                num_workers=data.num_workers,
+                pin_memory=data.pin_memory,
+                device=self.device,
+            )
+        )
         console = next((s for s in self.sinks if hasattr(s, "advance")), None)
         stop = preemption.StopRequest(self.cfg.stop_before_end_min)
         stop.install()
@@ -181,7 +236,7 @@ class Trainer:
             batch = self._to_device(next(batches))
             batch["step"] = self.step  # tasks key their random draws by it (equal on every layout)
             if self.flops_per_sample is None:
-                stated = getattr(self.task, "flops_per_sample", lambda: None)()
+                stated = self.task.flops_per_sample()
                 if stated:  # the model states its FLOPs (FlopCounterMode cannot see all kernels)
                     self.flops_per_sample = stated
                     loss, grad_norm = self.train_step(batch)
@@ -193,11 +248,12 @@ class Trainer:
             self.step += 1
             last = self.step == self.cfg.max_steps
 
+            saving = self.checkpoint is not None and self.checkpoint.due(self.step, last)
+            if self.step % self.cfg.log_every == 0 or last or saving:
+                self._check_finite()  # never log on, validate or checkpoint a diverged model
             if self.step % self.cfg.log_every == 0 or last:
                 loss = collectives.all_reduce_mean(loss.detach().clone())
                 last_loss = float(loss)
-                if not math.isfinite(last_loss) and self.precision.scaler is None:
-                    raise NonFiniteLoss(f"loss became {last_loss} at step {self.step}; last checkpoint kept")
                 self._log(self._train_row(last_loss, grad_norm, watch.lap(), self.step - window_start, t_run))
                 window_start = self.step
                 if console is not None:
@@ -205,8 +261,8 @@ class Trainer:
             if (self.cfg.val_every and self.step % self.cfg.val_every == 0) or last:
                 val_row = self.validate()
                 watch.lap()  # validation time is not training throughput
-            if self.checkpoint is not None and self.checkpoint.due(self.step, last):
-                self.checkpoint.save(self, _plain(self.run.raw))
+            if saving:
+                self.checkpoint.save(self, _plain(self.run.raw), finite=True)
                 watch.lap()
             if not last and stop.agreed():
                 self._stop_early(stop)
@@ -214,22 +270,64 @@ class Trainer:
             self.checkpoint.finish()  # a run that ends waits for its last save
         return Summary(self.step, last_loss, val_row, str(self.run_dir), resumed)
 
+    def _check_resume(self, path: Path) -> None:
+        """Say which settings differ from the checkpoint's run; refuse those that may not change
+        (framework.config.resume: the model, the task, the data a model was trained on)."""
+        from framework.checkpoint.backend import read_meta
+        from framework.config.resume import check_resume, schema_rules
+
+        saved = read_meta(path).get("config") or {}
+        changes = check_resume(
+            saved, _plain(self.run.raw), exclude=tuple(self.run.checkpoint.exclude), rules=schema_rules(self.run)
+        )
+        for change in changes:
+            log.info("resume: %s", change.line())
+
+    def _check_finite(self) -> None:
+        """Stop (exit 4) if any step since the last check had a NaN/inf loss or gradient norm.
+
+        Policy: stop rather than skip. Checked before every log, validation and save, so a
+        diverged model is never checkpointed and the newest checkpoint is the last good one;
+        a run stops at most ``log_every`` steps after the bad step.
+        """
+        flag = self._first_bad.clone()
+        if collectives.active():  # every rank stops together (the norm is global; the loss is not)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        first = int(flag)  # one sync, where the loop syncs anyway
+        if first < 0:
+            return
+        saved = self.checkpoint.latest() if self.checkpoint is not None else None
+        kept = f"newest checkpoint kept: {saved.name}" if saved is not None else "no checkpoint was written"
+        raise NonFiniteLoss(
+            f"the loss or gradient norm became NaN/inf at step {first} (optim.lr="
+            f"{self.optimizer.defaults.get('lr')}); stopped without saving; {kept}"
+        )
+
     def _stop_early(self, stop) -> None:
         saved = "no checkpoint (checkpoint=none)"
+        self._check_finite()
         if self.checkpoint is not None:
             if self.checkpoint.latest() is None or self.checkpoint.latest().name != f"step_{self.step:08d}":
-                self.checkpoint.save(self, _plain(self.run.raw))
+                self.checkpoint.save(self, _plain(self.run.raw), finite=True)
             self.checkpoint.finish()
             saved = f"checkpoint step_{self.step:08d} saved"
         log.info("stopping at step %d on %s; %s", self.step, stop.reason(), saved)
         stop.hand_over()  # submitit requeues here (rank 0) and exits
-        raise preemption.Stopped(f"stopped at step {self.step} on {stop.reason()}: {saved}; "
-                                 "run again with the same run dir to resume")
+        raise preemption.Stopped(
+            f"stopped at step {self.step} on {stop.reason()}: {saved}; run again with the same run dir to resume"
+        )
 
     def _train_row(self, loss: float, grad_norm, dt: float, steps: int, t_run: float) -> dict:
         sps = self.run.data.batch_size * steps / dt if dt > 0 else 0.0
-        row = {"step": self.step, "split": "train", "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-               "grad_norm": float(grad_norm), "samples_per_s": sps, "mem_gb": metrics.peak_memory_gb(self.device)}
+        row = {
+            "step": self.step,
+            "split": "train",
+            "loss": loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "samples_per_s": sps,
+            "mem_gb": metrics.peak_memory_gb(self.device),
+        }
         if self.flops_per_sample:
             tflops = self.flops_per_sample * sps / 1e12
             row["tflops"] = tflops
@@ -246,7 +344,9 @@ class Trainer:
 def _plain(cfg) -> dict:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(cfg, resolve=True)
+    out = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(out, dict)
+    return out
 
 
 registry.trainers.add("default", TrainerConfig, Trainer)

@@ -53,7 +53,7 @@ class Forecaster:
     """One autoregressive hour for a batch of members, in normalized units."""
 
     def __init__(self, regression, diffusion, device, *, precision="fp32", seed=0, sampler=None):
-        from recipes.stormcast import weights
+        from recipes.weather import weights
 
         self.device, self.seed = device, seed
         self.reg = self.reg_info = self.diff = self.diff_info = None
@@ -62,7 +62,7 @@ class Forecaster:
             self.diff, self.diff_info = weights.load(diffusion, device)
             task = self.diff_info.task
             self.conditions, self.residual = list(task["conditions"]), bool(task.get("residual"))
-            from recipes.stormcast.config import SamplerConfig
+            from recipes.weather.config import SamplerConfig
 
             self.sampler = SamplerConfig(**{**task["sampler"], **(sampler or {})})
             needs_reg = self.residual or "regression" in self.conditions
@@ -82,17 +82,19 @@ class Forecaster:
         if self.reg is not None and self.diff is not None:
             a, b = self.reg_info, self.diff_info
             if a.channels != b.channels or a.grid != b.grid:
-                raise ConfigError(f"--regression {a.path} and --diffusion {b.path} were trained on different "
-                                  f"channels or grids")
+                raise ConfigError(
+                    f"--regression {a.path} and --diffusion {b.path} were trained on different channels or grids"
+                )
         self.info = self.diff_info or self.reg_info
-        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
-                         else contextlib.nullcontext())
+        self.autocast = (
+            torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        )
 
     @torch.no_grad()
     def step(self, state, background, invariants, lead: int) -> torch.Tensor:
         from framework.domain import draws
-        from recipes.stormcast import edm
-        from recipes.stormcast.diffusion import condition_inputs
+        from recipes.weather import edm
+        from recipes.weather.diffusion import condition_inputs
 
         with self.autocast:
             reg, cond = condition_inputs(self.reg, self.reg_residual, self.conditions, state, background, invariants)
@@ -100,32 +102,50 @@ class Forecaster:
                 return reg
             keys = [(self.seed, lead, m) for m in range(state.shape[0])]
             noise = lambda k: draws.field_normal(k, state.shape[1:], device=state.device)  # noqa: E731
-            sample = edm.heun_sample(lambda x, s: self.diff(x, s, cond), noise(keys),
-                                     noise=lambda i: noise([(*k, i) for k in keys]), **self.sampler.kwargs()).float()
+            sample = edm.heun_sample(
+                lambda x, s: self.diff(x, s, cond),
+                noise(keys),
+                noise=lambda i: noise([(*k, i) for k in keys]),
+                **self.sampler.kwargs(),
+            ).float()
         return reg + sample if self.residual else sample
 
 
 def _dataset(root, info, start: int, hours: int):
-    from recipes.stormcast.dataset import HrrrEra5Dataset
+    from recipes.weather.dataset import HrrrEra5Dataset
 
     first, last = (_EPOCH + dt.timedelta(hours=start)).year, (_EPOCH + dt.timedelta(hours=start + hours)).year
-    ch = info.channels
-    ds = HrrrEra5Dataset(root, list(range(first, last + 1)), ch["hrrr_channels"], ch["era5_channels"],
-                         ch["invariants"], dt=1)
+    from recipes.weather.task import data_conventions
+
+    ch, conv = info.channels, data_conventions(info.config)
+    ds = HrrrEra5Dataset(
+        root,
+        list(range(first, last + 1)),
+        ch["hrrr_channels"],
+        ch["era5_channels"],
+        ch["invariants"],
+        dt=int(conv["dt"]),
+        grid=list(info.grid),
+        background_time=conv["background_time"],
+        invariant_norm=conv["invariant_norm"],
+    )
     if list(ds.grid) != list(info.grid):
         raise ConfigError(f"--data-root: stores hold grid {list(ds.grid)} but the model was trained on {info.grid}")
     return ds
 
 
 def _samples(ds, start: int, hours: int) -> list[int]:
-    """Sample index of each hour start .. start+hours-1 (its background and truth are an hour on)."""
+    """Sample index of each hour start .. start+hours-1 (its truth is an hour on; its background at
+    the input or the target time, as the model was trained)."""
     by_time = {ds.sample_times(i)[0]: i for i in range(len(ds))}
     out = []
     for k in range(hours):
         t = start + k
         if t not in by_time:
-            raise DataError(f"--data-root: no sample (state, background, next state) for {format_time(t)}; "
-                            f"the rollout needs hours {format_time(start)} .. {format_time(start + hours)}")
+            raise DataError(
+                f"--data-root: no sample (state, background, next state) for {format_time(t)}; "
+                f"the rollout needs hours {format_time(start)} .. {format_time(start + hours)}"
+            )
         out.append(by_time[t])
     return out
 
@@ -133,8 +153,9 @@ def _samples(ds, start: int, hours: int) -> list[int]:
 class ForecastStore:
     """The zarr store, written under ``<out>.partial`` and renamed when complete."""
 
-    def __init__(self, out: Path, *, members: int, hours: int, channels: list[str], grid, times, meta: dict,
-                 overwrite: bool):
+    def __init__(
+        self, out: Path, *, members: int, hours: int, channels: list[str], grid, times, meta: dict, overwrite: bool
+    ):
         import zarr
 
         self.out, self.tmp = Path(out), Path(str(out) + ".partial")
@@ -142,18 +163,38 @@ class ForecastStore:
             raise ConfigError(f"--out: {self.out} exists (add --overwrite to replace it)")
         shutil.rmtree(self.tmp, ignore_errors=True)
         h, w = grid
-        attrs = {"channels": list(channels), "time_units": "hours since 1970-01-01 00:00:00 UTC",
-                 "times": [format_time(t) for t in times], **meta}
+        attrs = {
+            "channels": list(channels),
+            "time_units": "hours since 1970-01-01 00:00:00 UTC",
+            "times": [format_time(t) for t in times],
+            **meta,
+        }
         self.group = zarr.create_group(str(self.tmp), attributes=attrs)
         common = dict(dtype="float32", compressors=None, fill_value=float("nan"))
-        self.forecast = self.group.create_array("forecast", shape=(members, hours, len(channels), h, w),
-                                                chunks=(1, 1, 1, h, w),
-                                                dimension_names=("member", "time", "channel", "y", "x"), **common)
-        self.truth = self.group.create_array("truth", shape=(hours, len(channels), h, w), chunks=(1, 1, h, w),
-                                             dimension_names=("time", "channel", "y", "x"), **common)
-        tarr = self.group.create_array("time", shape=(hours,), dtype="int64", chunks=(hours,), compressors=None,
-                                       fill_value=0, dimension_names=("time",),
-                                       attributes={"units": attrs["time_units"]})
+        self.forecast = self.group.create_array(
+            "forecast",
+            shape=(members, hours, len(channels), h, w),
+            chunks=(1, 1, 1, h, w),
+            dimension_names=("member", "time", "channel", "y", "x"),
+            **common,
+        )
+        self.truth = self.group.create_array(
+            "truth",
+            shape=(hours, len(channels), h, w),
+            chunks=(1, 1, h, w),
+            dimension_names=("time", "channel", "y", "x"),
+            **common,
+        )
+        tarr = self.group.create_array(
+            "time",
+            shape=(hours,),
+            dtype="int64",
+            chunks=(hours,),
+            compressors=None,
+            fill_value=0,
+            dimension_names=("time",),
+            attributes={"units": attrs["time_units"]},
+        )
         tarr[...] = np.asarray(times, dtype=np.int64)
 
     def close(self) -> None:
@@ -168,8 +209,7 @@ def rollout(args) -> Path:
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     sampler = {"num_steps": args.steps} if args.steps else None
-    fc = Forecaster(args.regression, args.diffusion, device, precision=args.precision, seed=args.seed,
-                    sampler=sampler)
+    fc = Forecaster(args.regression, args.diffusion, device, precision=args.precision, seed=args.seed, sampler=sampler)
     members = args.members
     if fc.diff is None and members != 1:
         raise ConfigError(f"--members {members}: a regression-only rollout is deterministic; give --diffusion")
@@ -185,10 +225,23 @@ def rollout(args) -> Path:
     times = [start + k + 1 for k in range(args.hours)]
     mean = torch.as_tensor(ds.hrrr_means, dtype=torch.float32)[:, None, None]
     std = torch.as_tensor(ds.hrrr_stds, dtype=torch.float32)[:, None, None]
-    meta = {"start": format_time(start), "members": members, "regression": str(fc.reg_info.path) if fc.reg else None,
-            "diffusion": str(fc.diff_info.path) if fc.diff else None, "seed": args.seed}
-    store = ForecastStore(args.out, members=members, hours=args.hours, channels=names, grid=info.grid, times=times,
-                          meta=meta, overwrite=args.overwrite)
+    meta = {
+        "start": format_time(start),
+        "members": members,
+        "regression": str(fc.reg_info.path) if fc.reg else None,
+        "diffusion": str(fc.diff_info.path) if fc.diff else None,
+        "seed": args.seed,
+    }
+    store = ForecastStore(
+        args.out,
+        members=members,
+        hours=args.hours,
+        channels=names,
+        grid=info.grid,
+        times=times,
+        meta=meta,
+        overwrite=args.overwrite,
+    )
     frames = Path(args.frames) if args.frames else Path(str(args.out) + ".frames")
     first = ds.read(idx[0])
     state = first["state"][None].to(device).repeat(members, 1, 1, 1)
@@ -210,7 +263,7 @@ def rollout(args) -> Path:
 
 
 def _frame(frames: Path, name: str, c: int, time: int, lead: int, truth, phys) -> None:
-    from recipes.stormcast.plots import field_figure
+    from recipes.weather.plots import field_figure
 
     title = f"{name}, +{lead} h, valid {format_time(time)} (member 0 of {phys.shape[0]})"
     field_figure(frames / f"{name}_{lead:03d}.png", name, truth[c], phys[0, c], title)
@@ -219,8 +272,9 @@ def _frame(frames: Path, name: str, c: int, time: int, lead: int, truth, phys) -
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m recipes.stormcast.inference", description=__doc__.split("\n")[0])
     ap.add_argument("--diffusion", type=Path, help="the diffusion model: exported .pt, checkpoint or run dir")
-    ap.add_argument("--regression", type=Path,
-                    help="the regression model (default: the one the diffusion model was trained on)")
+    ap.add_argument(
+        "--regression", type=Path, help="the regression model (default: the one the diffusion model was trained on)"
+    )
     ap.add_argument("--data-root", required=True, help="the HRRR/ERA5 zarr stores (initial state, background)")
     ap.add_argument("--start", required=True, help="initial time, e.g. 2021-06-01T00")
     ap.add_argument("--hours", type=int, default=6, help="hours to roll out (default 6)")

@@ -74,6 +74,10 @@ class Conv2d(nn.Module):
             _xavier_uniform_(self.weight, in_channels * kernel * kernel, out_channels * kernel * kernel, init_weight)
             if bias:
                 self.bias = nn.Parameter(torch.zeros(out_channels))
+        # [1, 1] (DDPM++): the depthwise resampling is a 2x2 mean (down) or a 2x2 repeat (up);
+        # pooling/nearest kernels do that exactly, fuse under torch.compile and work in any
+        # memory format, where a depthwise cuDNN conv is slow (channels-last most of all).
+        self._box = (up or down) and len(resample_filter) == 2 and resample_filter[0] == resample_filter[1]
         if up or down:
             f = torch.as_tensor(list(resample_filter), dtype=torch.float32)
             f = torch.outer(f, f) / f.sum().square()
@@ -84,7 +88,13 @@ class Conv2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         f = self.resample_filter
-        if f is not None:
+        if f is not None and self._box:
+            if self.down:
+                x = F.avg_pool2d(x, 2)
+            else:  # each pixel repeated 2x2; as an expand, its backward is a sum, not a scatter-add
+                b, c, h, w = x.shape
+                x = x[:, :, :, None, :, None].expand(b, c, h, 2, w, 2).reshape(b, c, 2 * h, 2 * w)
+        elif f is not None:
             c = x.shape[1]
             f = f.to(x.dtype).tile(c, 1, 1, 1)
             pad = (f.shape[-1] - 1) // 2
@@ -155,8 +165,9 @@ class AdditivePosEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-2:] != self.weight.shape[-2:]:
-            raise ValueError(f"additive_pos_embed needs input of size {tuple(self.weight.shape[-2:])}, "
-                             f"got {tuple(x.shape[-2:])}")
+            raise ValueError(
+                f"additive_pos_embed needs input of size {tuple(self.weight.shape[-2:])}, got {tuple(x.shape[-2:])}"
+            )
         return x + self.weight.to(x.dtype)
 
 
@@ -168,7 +179,14 @@ class Attention(nn.Module):
     (``init_zero``) so a fresh block is close to the identity.
     """
 
-    def __init__(self, channels: int, num_heads: int, eps: float = 1e-5, init_attn: float = math.sqrt(0.2), init_zero: float = 1e-5):
+    def __init__(
+        self,
+        channels: int,
+        num_heads: int,
+        eps: float = 1e-5,
+        init_attn: float = math.sqrt(0.2),
+        init_zero: float = 1e-5,
+    ):
         super().__init__()
         if channels % num_heads:
             raise ValueError(f"Attention: {channels} channels not divisible by {num_heads} heads")
@@ -237,14 +255,20 @@ class UNetBlock(nn.Module):
         self.skip = None
         if out_channels != in_channels or up or down:
             kernel = 1 if resample_proj or out_channels != in_channels else 0
-            self.skip = Conv2d(in_channels, out_channels, kernel=kernel, up=up, down=down, resample_filter=resample_filter)
+            self.skip = Conv2d(
+                in_channels, out_channels, kernel=kernel, up=up, down=down, resample_filter=resample_filter
+            )
 
         self.attn = None
         if attention:
             heads = num_heads if num_heads is not None else out_channels // channels_per_head
             self.attn = Attention(out_channels, max(1, heads), eps=eps, init_attn=init_attn, init_zero=init_zero)
 
-    def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, emb: torch.Tensor | None = None, skip: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if skip is not None:  # a decoder skip connection: concatenated here, inside the block, so
+            x = torch.cat([x, skip], dim=1)  # that a compiled block fuses the copy into its first ops
         orig = x
         x = self.conv0(F.silu(self.norm0(x)))
         if self.affine is not None:

@@ -1,26 +1,30 @@
-"""How the SongUNet's layers split over the domain axis (rows), for the domain splitter.
+"""How the SongUNet's layers split over the domain axis (rows): its split plan, ``PLAN``.
 
 Like torchtitan's per-model parallelize step: the model file stays plain PyTorch; this
-module tells the framework's splitter what each layer needs.
+module builds the plan that tells the framework's splitter what each layer needs, and the
+model's registry entry names it (``split_plan=PLAN``). The EDM preconditioner a diffusion
+task wraps around the net needs no rule: it holds no parameters and its arithmetic is per
+pixel (its ``sigma_data`` buffer is per channel).
 """
 
 from __future__ import annotations
 
 import torch
 
-from framework.domain import splitter
 from framework.domain.comm import DomainGroup
 from framework.domain.layers import GroupNormMixin, HaloMixin, RowSliceMixin, gathered_attention
+from framework.domain.splitter import TORCH_PLAN, swap_class
 from framework.errors import ConfigError
-from recipes.stormcast import edm, layers
+from recipes.stormcast import layers
 
 
 def _conv(m: layers.Conv2d, dg: DomainGroup) -> None:
     r = m.weight.shape[-1] // 2 if m.weight is not None else 0
     f = m.resample_filter
     if f is not None and tuple(f.shape[-2:]) != (2, 2):
-        raise ConfigError(f"splitter: resample_filter of size {tuple(f.shape[-2:])} is not supported over "
-                          "the domain axis; use [1, 1]")
+        raise ConfigError(
+            f"splitter: resample_filter of size {tuple(f.shape[-2:])} is not supported over the domain axis; use [1, 1]"
+        )
     if m.down:  # [1,1] stride 2 is local on even-aligned rows; the conv then needs r rows
         halo = (2 * r, r)
     elif m.up:
@@ -28,7 +32,7 @@ def _conv(m: layers.Conv2d, dg: DomainGroup) -> None:
         halo = (rows_in, 2 * rows_in)
     else:
         halo = (r, r)
-    splitter.swap_class(m, HaloMixin, dg, _halo=halo)
+    swap_class(m, HaloMixin, dg, _halo=halo)
 
 
 class _AttentionMixin:
@@ -43,26 +47,31 @@ class _AttentionMixin:
 
 
 def _attention(m: layers.Attention, dg: DomainGroup) -> None:
-    splitter.swap_class(m, _AttentionMixin, dg)
+    swap_class(m, _AttentionMixin, dg)
 
 
 def _group_norm(m: layers.GroupNorm, dg: DomainGroup) -> None:
-    splitter.swap_class(m, GroupNormMixin, dg)
+    swap_class(m, GroupNormMixin, dg)
 
 
 def _pos_embed(m: layers.AdditivePosEmbed, dg: DomainGroup) -> None:
-    splitter.swap_class(m, RowSliceMixin, dg)
+    swap_class(m, RowSliceMixin, dg)
 
 
 def _unet_block(m: layers.UNetBlock, dg: DomainGroup) -> None:
     if m.dropout > 0 and torch.are_deterministic_algorithms_enabled():
-        raise ConfigError("splitter: dropout > 0 with deterministic=true is not supported over the domain "
-                          "axis yet (per-pixel draws are not keyed by global position)")
+        raise ConfigError(
+            "splitter: dropout > 0 with deterministic=true is not supported over the domain "
+            "axis yet (per-pixel draws are not keyed by global position)"
+        )
 
 
-splitter.register(layers.Conv2d, _conv)
-splitter.register(layers.Attention, _attention)
-splitter.register(layers.GroupNorm, _group_norm)
-splitter.register(layers.AdditivePosEmbed, _pos_embed)
-splitter.register(layers.UNetBlock, _unet_block)  # its own ops are pointwise; its children split
-splitter.register_local(layers.Linear, layers.PositionalEmbedding, edm.EDMPrecond)  # pointwise
+PLAN = (
+    TORCH_PLAN.extend("songunet")
+    .rule(layers.Conv2d, _conv)
+    .rule(layers.Attention, _attention)
+    .rule(layers.GroupNorm, _group_norm)
+    .rule(layers.AdditivePosEmbed, _pos_embed)
+    .rule(layers.UNetBlock, _unet_block)  # its own ops are pointwise; its children split
+    .local(layers.Linear, layers.PositionalEmbedding)
+)  # pointwise

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from recipes.stormcast.layers import (AdditivePosEmbed, Conv2d, GroupNorm, Linear, PositionalEmbedding,
-                                      UNetBlock)
+from recipes.stormcast.layers import AdditivePosEmbed, Conv2d, GroupNorm, Linear, PositionalEmbedding, UNetBlock
 
 _EMBEDDING_TYPES = ("positional", "zero")
 # EDM and PhysicsNeMo build the SongUNet's GroupNorms with eps=1e-6 (not the layer
@@ -191,10 +190,12 @@ class SongUNet(nn.Module):
                 f"(channel_mult={list(self.channel_mult)})"
             )
 
-    def _run_block(self, block: nn.Module, level: int, x: torch.Tensor, emb: torch.Tensor | None) -> torch.Tensor:
+    def _run_block(
+        self, block: nn.Module, level: int, x: torch.Tensor, emb: torch.Tensor | None, skip: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if level < self.checkpoint_level and torch.is_grad_enabled():
-            return checkpoint(block, x, emb, use_reentrant=False)
-        return block(x, emb)
+            return checkpoint(block, x, emb, skip, use_reentrant=False)
+        return block(x, emb, skip)
 
     # -- forward -------------------------------------------------------------------
 
@@ -220,7 +221,7 @@ class SongUNet(nn.Module):
             emb = F.silu(self.map_layer1(emb))
 
         skips = []
-        for (name, block), level in zip(self.enc.items(), self._enc_levels):
+        for (_name, block), level in zip(self.enc.items(), self._enc_levels):
             if isinstance(block, UNetBlock):
                 x = self._run_block(block, level, x, emb)
             else:
@@ -230,8 +231,7 @@ class SongUNet(nn.Module):
             skips.append(x)
 
         for block, level in zip(self.dec.values(), self._dec_levels):
-            if x.shape[1] != block.in_channels:
-                x = torch.cat([x, skips.pop()], dim=1)
-            x = self._run_block(block, level, x, emb)
+            skip = skips.pop() if x.shape[1] != block.in_channels else None  # the block concatenates it
+            x = self._run_block(block, level, x, emb, skip)
 
         return self.out_conv(F.silu(self.out_norm(x)))

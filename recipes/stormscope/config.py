@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from framework.config.schema import Invalid, non_negative, one_of, positive
-from recipes.stormcast.config import DiffusionTaskConfig
+from recipes.weather.config import DiffusionTaskConfig
 
 
 @dataclass
@@ -33,7 +33,9 @@ class DiTConfig:
         if self.hidden_size % self.num_heads:
             raise Invalid("num_heads", f"must divide hidden_size={self.hidden_size} (got {self.num_heads})")
         if self.pos_embed == "rope" and (self.hidden_size // self.num_heads) % 4:
-            raise Invalid("pos_embed", f"rope needs a head dim divisible by 4 (got {self.hidden_size // self.num_heads})")
+            raise Invalid(
+                "pos_embed", f"rope needs a head dim divisible by 4 (got {self.hidden_size // self.num_heads})"
+            )
         if self.mlp_ratio <= 0:
             raise Invalid("mlp_ratio", f"must be positive (got {self.mlp_ratio})")
 

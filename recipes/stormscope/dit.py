@@ -6,11 +6,17 @@ a natural domain shard; and every piece is its own small module class, so a doma
 can swap classes by type. Everything that depends on *which* rows a tensor holds takes a
 ``row_offset`` (global index of its first row): ``PosEmbed2d.forward``, ``Rope2d.forward``,
 ``NeighbourhoodAttention.project``/``attend``. The plain model always passes 0.
+
+The parameterisation is that of PhysicsNeMo's StormScope DiT (so its checkpoints map onto this
+model by renaming alone, ``recipes/weather/mdlus.py``): a learned positional table of shape
+(1, N, D) (std 0.02), a timestep embedder of ``hidden_size`` sinusoidal features through an MLP
+hidden -> 2 hidden -> hidden (xavier), scalar conditions through a bias-free zero-initialised
+Linear added after it, qkv with bias and no qk-norm, and an optional mask token per block
+(zero-initialised, shape (1, 1, D)) that replaces the invalid tokens of the attention input
+right before the qkv projection.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -41,16 +47,19 @@ class PatchEmbed(nn.Module):
 
 
 class PosEmbed2d(nn.Module):
-    """Learned additive positional embedding of shape (1, Hp, Wp, D)."""
+    """Learned additive positional embedding: a table of shape (1, Hp * Wp, D), row-major over the
+    token grid (the reference's layout), added to the grid (B, Hp, Wp, D)."""
 
     def __init__(self, grid: tuple[int, int], hidden_size: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, grid[0], grid[1], hidden_size))
+        self.grid = (int(grid[0]), int(grid[1]))
+        self.weight = nn.Parameter(torch.empty(1, self.grid[0] * self.grid[1], hidden_size))
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
         # A band of rows adds the matching rows of the table.
-        return x + self.weight[:, row_offset:row_offset + x.shape[1]].to(x.dtype)
+        table = self.weight.unflatten(1, self.grid)
+        return x + table[:, row_offset : row_offset + x.shape[1]].to(x.dtype)
 
 
 class Rope2d(nn.Module):
@@ -90,22 +99,42 @@ class Rope2d(nn.Module):
 
 
 class TimestepEmbed(nn.Module):
-    """Sinusoidal features of the noise label through an MLP, plus optional scalar conditions."""
+    """Sinusoidal features of the noise label through an MLP, plus optional scalar conditions.
 
-    def __init__(self, hidden_size: int, num_scalar_conditions: int = 0, freq_dim: int = 256):
+    ``freq_dim`` features (default ``hidden_size``): [cos, sin] of ``freq_dim / 2`` geometric
+    frequencies 1 ... 1/10000, then Linear(freq_dim, 2 hidden) -> SiLU -> Linear(2 hidden, hidden),
+    xavier-initialised. Scalar conditions go through a bias-free Linear that starts at zero (a
+    fresh model ignores them) and are added to the MLP's output.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_scalar_conditions: int = 0,
+        freq_dim: int | None = None,
+        mlp_hidden: int | None = None,
+    ):
         super().__init__()
-        self.freq_dim = freq_dim
-        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
-        self.scalars = nn.Linear(num_scalar_conditions, hidden_size) if num_scalar_conditions else None
+        self.freq_dim = int(freq_dim or hidden_size)
+        if self.freq_dim % 2:
+            raise ValueError(f"TimestepEmbed needs an even freq_dim, got {self.freq_dim}")
+        inner = int(mlp_hidden or 2 * hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.freq_dim, inner), nn.SiLU(), nn.Linear(inner, hidden_size))
+        self.scalars = nn.Linear(num_scalar_conditions, hidden_size, bias=False) if num_scalar_conditions else None
         for m in self.mlp:
             if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=0.02)
+                nn.init.xavier_uniform_(m.weight)
                 nn.init.zeros_(m.bias)
+        if self.scalars is not None:
+            nn.init.zeros_(self.scalars.weight)
+
+    def frequencies(self, device=None) -> torch.Tensor:
+        """The freq_dim / 2 frequencies (float32), computed as the reference does (bit for bit)."""
+        half = self.freq_dim // 2
+        return (1 / 10000) ** (torch.arange(half, dtype=torch.float32, device=device) / half)
 
     def forward(self, noise_labels: torch.Tensor, scalar_conditions: torch.Tensor | None = None) -> torch.Tensor:
-        half = self.freq_dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=noise_labels.device) / half)
-        arg = noise_labels.float()[:, None] * freqs[None]
+        arg = noise_labels.float()[:, None] * self.frequencies(noise_labels.device)[None]
         c = self.mlp(torch.cat([arg.cos(), arg.sin()], -1).to(self.mlp[0].weight.dtype))
         if self.scalars is not None:
             c = c + self.scalars(scalar_conditions.to(c.dtype))
@@ -117,17 +146,37 @@ class NeighbourhoodAttention(nn.Module):
 
     ``forward`` is ``attend(*project(x))``; a domain-parallel subclass can fetch halo rows of
     k/v between the two and tell ``attend`` which global rows each tensor holds.
+
+    With ``mask_token`` it owns a learned token (1, 1, D), zero at init, that the block splices
+    into its input at invalid positions (``apply_mask_token``) right before ``forward``, so the
+    qkv projection sees the token there. The splice is per token: bands need nothing extra.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, kernel: int, rope: bool = False, impl: str = "auto"):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        kernel: int,
+        rope: bool = False,
+        impl: str = "auto",
+        mask_token: bool = False,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.kernel = kernel
         self.impl = impl
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, hidden_size)) if mask_token else None
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
         self.rope = Rope2d(self.head_dim) if rope else None
         self.proj = nn.Linear(hidden_size, hidden_size)
+
+    def apply_mask_token(self, x: torch.Tensor, invalid: torch.Tensor | None) -> torch.Tensor:
+        """x (B, R, W, D) with the mask token at ``invalid`` (B, R, W, 1) bool tokens; x itself when
+        there is no token or no mask. Equal bit for bit to the reference's x (1 - a) + token a."""
+        if self.mask_token is None or invalid is None:
+            return x
+        return torch.where(invalid, self.mask_token.to(x.dtype), x)
 
     def project(self, x: torch.Tensor, row_offset: int = 0):
         """q, k, v of shape (B, heads, R, W, head_dim), rope applied at global rows row_offset..."""
@@ -139,8 +188,16 @@ class NeighbourhoodAttention(nn.Module):
 
     def attend(self, q, k, v, q_row_offset: int = 0, kv_row_offset: int = 0, grid_rows: int | None = None):
         """Attention of q rows over k/v rows (global offsets as in natten), heads merged, projected."""
-        o = neighbourhood_attention(q, k, v, self.kernel, impl=self.impl, q_row_offset=q_row_offset,
-                                    kv_row_offset=kv_row_offset, grid_rows=grid_rows)
+        o = neighbourhood_attention(
+            q,
+            k,
+            v,
+            self.kernel,
+            impl=self.impl,
+            q_row_offset=q_row_offset,
+            kv_row_offset=kv_row_offset,
+            grid_rows=grid_rows,
+        )
         b, _, r, w, _ = o.shape
         return self.proj(o.permute(0, 2, 3, 1, 4).reshape(b, r, w, -1))
 
@@ -163,20 +220,31 @@ class Mlp(nn.Module):
 class DiTBlock(nn.Module):
     """adaLN-zero transformer block: modulation starts at zero, so each block starts as identity."""
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, kernel: int, rope: bool, impl: str):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        mlp_ratio: float,
+        kernel: int,
+        rope: bool,
+        impl: str,
+        mask_token: bool = False,
+    ):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = NeighbourhoodAttention(hidden_size, num_heads, kernel, rope=rope, impl=impl)
+        self.attn = NeighbourhoodAttention(hidden_size, num_heads, kernel, rope=rope, impl=impl, mask_token=mask_token)
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(hidden_size, mlp_ratio)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
         nn.init.zeros_(self.adaLN_modulation[1].weight)
         nn.init.zeros_(self.adaLN_modulation[1].bias)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, invalid: torch.Tensor | None = None) -> torch.Tensor:
+        """``invalid`` (B, R, W, 1) bool: tokens the attention input replaces by the mask token."""
         # (B, 6D) -> six (B, 1, 1, D) terms broadcast over the token grid.
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c)[:, None, None].chunk(6, dim=-1)
-        x = x + gate1 * self.attn(_modulate(self.norm1(x), shift1, scale1))
+        h = self.attn.apply_mask_token(_modulate(self.norm1(x), shift1, scale1), invalid)
+        x = x + gate1 * self.attn(h)
         return x + gate2 * self.mlp(_modulate(self.norm2(x), shift2, scale2))
 
 
@@ -210,12 +278,29 @@ class DiT(nn.Module):
 
     forward(x (B, in, H, W), noise_labels (B,), scalar_conditions (B, S) | None,
     mask (B, 1, H, W) bool | None, True = invalid) -> (B, out, H, W).
+
+    With a mask, invalid pixels are zeroed first (so NaNs there never reach the network: the
+    reference's recipe passes such inputs through nan_to_num) and, with ``mask_token``, every
+    block replaces the attention input of each patch holding an invalid pixel by its token.
     """
 
-    def __init__(self, img_resolution: tuple[int, int], in_channels: int, out_channels: int, patch_size: int = 4,
-                 hidden_size: int = 768, depth: int = 16, num_heads: int = 16, mlp_ratio: float = 4.0,
-                 attn_kernel: int = 31, pos_embed: str = "learned", num_scalar_conditions: int = 0,
-                 mask_token: bool = False, checkpoint_blocks: bool = False, attn_impl: str = "auto"):
+    def __init__(
+        self,
+        img_resolution: tuple[int, int],
+        in_channels: int,
+        out_channels: int,
+        patch_size: int = 4,
+        hidden_size: int = 768,
+        depth: int = 16,
+        num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        attn_kernel: int = 31,
+        pos_embed: str = "learned",
+        num_scalar_conditions: int = 0,
+        mask_token: bool = False,
+        checkpoint_blocks: bool = False,
+        attn_impl: str = "auto",
+    ):
         super().__init__()
         h, w = img_resolution
         if h % patch_size or w % patch_size:
@@ -231,21 +316,32 @@ class DiT(nn.Module):
         except ValueError:
             raise ValueError(f"attn_kernel must be a positive odd integer, got attn_kernel={attn_kernel!r}") from None
         if pos_embed == "rope" and (hidden_size // num_heads) % 4:
-            raise ValueError(f"pos_embed='rope' needs hidden_size / num_heads divisible by 4, "
-                             f"got {hidden_size} / {num_heads}")
+            raise ValueError(
+                f"pos_embed='rope' needs hidden_size / num_heads divisible by 4, got {hidden_size} / {num_heads}"
+            )
         self.img_resolution = (h, w)
         self.grid = (h // patch_size, w // patch_size)
         self.in_channels, self.out_channels, self.patch_size = in_channels, out_channels, patch_size
         self.num_scalar_conditions = num_scalar_conditions
         self.checkpoint_blocks = checkpoint_blocks
 
+        self.mask_token = bool(mask_token)
+
         self.patch_embed = PatchEmbed(in_channels, hidden_size, patch_size)
         self.pos_embed = PosEmbed2d(self.grid, hidden_size) if pos_embed == "learned" else None
-        self.mask_token = nn.Parameter(torch.randn(hidden_size) * 0.02) if mask_token else None
         self.t_embed = TimestepEmbed(hidden_size, num_scalar_conditions)
         self.blocks = nn.ModuleList(
-            DiTBlock(hidden_size, num_heads, mlp_ratio, attn_kernel, pos_embed == "rope", attn_impl)
-            for _ in range(depth))
+            DiTBlock(
+                hidden_size,
+                num_heads,
+                mlp_ratio,
+                attn_kernel,
+                pos_embed == "rope",
+                attn_impl,
+                mask_token=self.mask_token,
+            )
+            for _ in range(depth)
+        )
         self.final = FinalLayer(hidden_size, patch_size, out_channels)
         for blk in self.blocks:  # DiT init for the transformer linears (modulation stays zero)
             for lin in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2):
@@ -256,27 +352,34 @@ class DiT(nn.Module):
         """Model FLOPs of one training sample (see ``train_flops``), for throughput and MFU."""
         return train_flops(self)
 
-    def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, scalar_conditions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        noise_labels: torch.Tensor,
+        scalar_conditions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if (scalar_conditions is None) != (self.num_scalar_conditions == 0):
-            raise ValueError(f"model built with num_scalar_conditions={self.num_scalar_conditions}; "
-                             f"scalar_conditions {'missing' if scalar_conditions is None else 'not expected'}")
+            raise ValueError(
+                f"model built with num_scalar_conditions={self.num_scalar_conditions}; "
+                f"scalar_conditions {'missing' if scalar_conditions is None else 'not expected'}"
+            )
         if mask is not None:
             mask = mask.bool()
             # where, not multiply: NaN * 0 is NaN. Invalid pixels never reach the embedding.
             x = torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)
         tokens = self.patch_embed(x)
-        if mask is not None and self.mask_token is not None:
+        invalid = None
+        if mask is not None and self.mask_token:
             invalid = F.max_pool2d(mask.to(x.dtype), self.patch_size)[:, 0, :, :, None] > 0  # any invalid pixel
-            tokens = torch.where(invalid, self.mask_token.to(tokens.dtype), tokens)
         if self.pos_embed is not None:
             tokens = self.pos_embed(tokens)
         c = self.t_embed(noise_labels, scalar_conditions)
         for blk in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                tokens = checkpoint(blk, tokens, c, use_reentrant=False)
+                tokens = checkpoint(blk, tokens, c, invalid, use_reentrant=False)
             else:
-                tokens = blk(tokens, c)
+                tokens = blk(tokens, c, invalid)
         return unpatchify(self.final(tokens, c), self.patch_size, self.out_channels)
 
 

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 @functools.cache
 def _flex_api():
     """(BlockMask, flex_attention), or None without them. Imported on first use: the import
@@ -41,6 +40,7 @@ def _flex_api():
     except ImportError:  # pragma: no cover
         return None
     return BlockMask, flex_attention
+
 
 IMPLS = ("auto", "flex", "reference")
 
@@ -91,8 +91,10 @@ def _grid_mask(q_rows, k_rows, cols, kernel, grid_rows, device) -> torch.Tensor:
 def _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows) -> int:
     check_kernel(kernel)
     if q.dim() != 5 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3:] != k.shape[3:]:
-        raise ValueError(f"expected q, k, v as (B, heads, rows, cols, head_dim) with equal B, heads, cols "
-                         f"and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q, k, v as (B, heads, rows, cols, head_dim) with equal B, heads, cols "
+            f"and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     hq, hk = q.shape[2], k.shape[2]
     if grid_rows is None:
         grid_rows = hq
@@ -103,25 +105,43 @@ def _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows) -> int:
         raise ValueError(
             f"query rows [{q_row_offset}, {q_row_offset + hq}) with kernel={kernel} on a {grid_rows}-row grid need "
             f"key rows [{lo}, {hi}), but k/v cover rows [{kv_row_offset}, {kv_row_offset + hk}); "
-            f"pass more halo rows")
+            f"pass more halo rows"
+        )
     return grid_rows
 
 
-def dense_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0,
-                                  grid_rows: int | None = None) -> torch.Tensor:
+def dense_neighbourhood_attention(
+    q, k, v, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0, grid_rows: int | None = None
+) -> torch.Tensor:
     """The definition: a full (Hq*W, Hk*W) boolean neighbourhood mask into SDPA. For tests/benchmarks."""
     grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
     b, h, hq, w, d = q.shape
     hk = k.shape[2]
-    mask = _grid_mask(torch.arange(q_row_offset, q_row_offset + hq), torch.arange(kv_row_offset, kv_row_offset + hk),
-                      w, kernel, grid_rows, q.device)
-    out = F.scaled_dot_product_attention(q.reshape(b, h, hq * w, d), k.reshape(b, h, hk * w, d),
-                                         v.reshape(b, h, hk * w, d), attn_mask=mask)
+    mask = _grid_mask(
+        torch.arange(q_row_offset, q_row_offset + hq),
+        torch.arange(kv_row_offset, kv_row_offset + hk),
+        w,
+        kernel,
+        grid_rows,
+        q.device,
+    )
+    out = F.scaled_dot_product_attention(
+        q.reshape(b, h, hq * w, d), k.reshape(b, h, hk * w, d), v.reshape(b, h, hk * w, d), attn_mask=mask
+    )
     return out.reshape(b, h, hq, w, d)
 
 
-def reference_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0,
-                                      grid_rows: int | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+def reference_neighbourhood_attention(
+    q,
+    k,
+    v,
+    kernel: int,
+    *,
+    q_row_offset: int = 0,
+    kv_row_offset: int = 0,
+    grid_rows: int | None = None,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
     """Chunked exact neighbourhood attention: each chunk of query rows sees only the key rows it can reach."""
     grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
     b, h, hq, w, d = q.shape
@@ -140,8 +160,8 @@ def reference_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int
         g0, g1 = q_row_offset + r0, q_row_offset + r1
         lo, hi = kv_rows_needed(g0, g1, kernel, grid_rows)
         mask = _grid_mask(torch.arange(g0, g1), torch.arange(lo, hi), w, kernel, grid_rows, q.device)
-        ks = k[:, :, lo - kv_row_offset:hi - kv_row_offset].reshape(b, h, (hi - lo) * w, d)
-        vs = v[:, :, lo - kv_row_offset:hi - kv_row_offset].reshape(b, h, (hi - lo) * w, d)
+        ks = k[:, :, lo - kv_row_offset : hi - kv_row_offset].reshape(b, h, (hi - lo) * w, d)
+        vs = v[:, :, lo - kv_row_offset : hi - kv_row_offset].reshape(b, h, (hi - lo) * w, d)
         o = F.scaled_dot_product_attention(qc.reshape(b, h, (r1 - r0) * w, d), ks, vs, attn_mask=mask)
         outs.append(o.reshape(b, h, r1 - r0, w, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -214,9 +234,18 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None], indices[None, None]
 
 
-def block_flags(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
-                device, block: int = _FLEX_BLOCK, tile: tuple[int, int] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def block_flags(
+    hq: int,
+    hk: int,
+    w: int,
+    kernel: int,
+    q_row_offset: int,
+    kv_row_offset: int,
+    grid_rows: int,
+    device,
+    block: int = _FLEX_BLOCK,
+    tile: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full): bool (query blocks, key blocks) of the band's token mask in the tiled
     order (``tile``; default row-major).
 
@@ -232,8 +261,12 @@ def block_flags(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row
     q_len, kv_len = len(qr), len(kr)
     nq, nk = -(-q_len // block), -(-kv_len // block)
     (hq_pad, wp), hk_pad = _padded(hq, w, tile), _padded(hk, w, tile)[0]
-    rows = _axis_mask(torch.arange(hq_pad, device=device) + q_row_offset,
-                      torch.arange(hk_pad, device=device) + kv_row_offset, kernel, grid_rows)
+    rows = _axis_mask(
+        torch.arange(hq_pad, device=device) + q_row_offset,
+        torch.arange(hk_pad, device=device) + kv_row_offset,
+        kernel,
+        grid_rows,
+    )
     c = torch.arange(wp, device=device)
     cols = _axis_mask(c, c, kernel, w)
     k_valid = (kr < hk) & (kc < w)
@@ -251,8 +284,9 @@ def block_flags(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row
     return partial, full
 
 
-def mask_mod_for(hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
-                 tile: tuple[int, int]):
+def mask_mod_for(
+    hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int, tile: tuple[int, int]
+):
     """flex mask_mod of the band in the tiled order; the same clamped-window rule as _axis_mask."""
     kr, kc, r = min(kernel, grid_rows), min(kernel, w), kernel // 2
     per_row = -(-w // tile[1])  # tiles per row of the padded grid
@@ -270,8 +304,17 @@ def mask_mod_for(hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset:
 
 
 @functools.lru_cache(maxsize=64)
-def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
-                device: torch.device, tile: tuple[int, int]):
+def _block_mask(
+    hq: int,
+    hk: int,
+    w: int,
+    kernel: int,
+    q_row_offset: int,
+    kv_row_offset: int,
+    grid_rows: int,
+    device: torch.device,
+    tile: tuple[int, int],
+):
     """Flex block mask for one band geometry, cached per geometry.
 
     Built from :func:`block_flags` rather than ``create_block_mask``: compiling that (the only
@@ -282,8 +325,12 @@ def _block_mask(hq: int, hk: int, w: int, kernel: int, q_row_offset: int, kv_row
     partial, full = block_flags(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, device, tile=tile)
     lengths = tuple(r * c for r, c in (_padded(hq, w, tile), _padded(hk, w, tile)))
     return _flex_api()[0].from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=_FLEX_BLOCK, seq_lengths=lengths,
-        mask_mod=mask_mod_for(hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, tile))
+        *_ordered(partial),
+        *_ordered(full),
+        BLOCK_SIZE=_FLEX_BLOCK,
+        seq_lengths=lengths,
+        mask_mod=mask_mod_for(hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, tile),
+    )
 
 
 @functools.cache
@@ -293,8 +340,17 @@ def _compiled_flex():
     return torch.compile(_flex_api()[1], dynamic=False)
 
 
-def flex_neighbourhood_attention(q, k, v, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0,
-                                 grid_rows: int | None = None, tiled: bool = True) -> torch.Tensor:
+def flex_neighbourhood_attention(
+    q,
+    k,
+    v,
+    kernel: int,
+    *,
+    q_row_offset: int = 0,
+    kv_row_offset: int = 0,
+    grid_rows: int | None = None,
+    tiled: bool = True,
+) -> torch.Tensor:
     """flex_attention over the flattened tokens (8 x 16 tiles, or row-major with ``tiled=False``
     or on small grids), skipping blocks no window touches."""
     if _flex_api() is None:
@@ -324,8 +380,17 @@ def flex_supported(q: torch.Tensor) -> bool:
     return _flex_api() is not None and (q.device.type != "cuda" or q.shape[-1] >= 16)
 
 
-def neighbourhood_attention(q, k, v, kernel: int, *, impl: str = "auto", q_row_offset: int = 0,
-                            kv_row_offset: int = 0, grid_rows: int | None = None) -> torch.Tensor:
+def neighbourhood_attention(
+    q,
+    k,
+    v,
+    kernel: int,
+    *,
+    impl: str = "auto",
+    q_row_offset: int = 0,
+    kv_row_offset: int = 0,
+    grid_rows: int | None = None,
+) -> torch.Tensor:
     """Neighbourhood attention of ``q`` (B, heads, Hq, W, d) over ``k``/``v`` (B, heads, Hk, W, d).
 
     ``impl``: "auto" (flex on CUDA when head_dim >= 16, else reference), "flex" (falls back to
@@ -347,6 +412,8 @@ def neighbourhood_attention(q, k, v, kernel: int, *, impl: str = "auto", q_row_o
         except NotImplementedError as e:
             global _warned_fallback
             if not _warned_fallback:
-                warnings.warn(f"flex neighbourhood attention unavailable ({e}); using the reference implementation")
+                warnings.warn(
+                    f"flex neighbourhood attention unavailable ({e}); using the reference implementation", stacklevel=2
+                )
                 _warned_fallback = True
     return reference_neighbourhood_attention(q, k, v, kernel, **band)

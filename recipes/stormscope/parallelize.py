@@ -1,4 +1,4 @@
-"""How the StormScope DiT splits over the domain axis (bands of patch rows), for the splitter.
+"""How the StormScope DiT splits over the domain axis (bands of patch rows): its split plan, ``PLAN``.
 
 The DiT keeps its tokens a 2-D grid (B, Hp, Wp, D), so a band of pixel rows that holds whole
 patch rows is a band of token rows, and only neighbourhood attention mixes rows:
@@ -14,6 +14,8 @@ patch rows is a band of token rows, and only neighbourhood attention mixes rows:
 * ``DiT``: checks the bands against the patch size, the grid and every attention kernel.
 * Everything else (LayerNorm over the hidden dim, MLP, adaLN, timestep embedding, final
   layer, unpatchify, mask pooling, ``Rope2d`` whose caller passes global rows) is per token.
+  The EDM preconditioner the diffusion task wraps around the DiT holds no parameters and is
+  per pixel: it needs no rule.
 
 Bands are ``DomainGroup.extents`` in pixel rows; at token resolution (``rows`` local token rows)
 ``dg.extents_like(rows)`` gives every band in token rows, exactly when the extents are
@@ -26,8 +28,8 @@ import functools
 
 import torch
 
-from framework.domain import splitter
 from framework.domain.comm import DomainGroup, halo_rows
+from framework.domain.splitter import TORCH_PLAN, swap_class
 from framework.errors import ConfigError
 from recipes.stormscope import dit
 from recipes.stormscope.natten import kv_rows_needed
@@ -37,8 +39,10 @@ def token_extents(dg: DomainGroup, rows: int) -> list[int]:
     """Every band in token rows, given this rank's ``rows`` token rows (exact, or ConfigError)."""
     own = dg.extents[dg.rank]
     if any(e * rows % own for e in dg.extents):
-        raise ConfigError(f"domain extents {dg.extents} (pixel rows) do not scale to whole token rows when "
-                          f"rank {dg.rank} holds {rows}: extents must be multiples of the patch size")
+        raise ConfigError(
+            f"domain extents {dg.extents} (pixel rows) do not scale to whole token rows when "
+            f"rank {dg.rank} holds {rows}: extents must be multiples of the patch size"
+        )
     return dg.extents_like(rows)
 
 
@@ -58,13 +62,17 @@ def halo_plan(extents: tuple[int, ...], kernel: int) -> tuple[tuple[int, int], .
         prev = extents[r - 1] if r > 0 else 0
         nxt = extents[r + 1] if r + 1 < len(extents) else 0
         if top > prev or bottom > nxt:
-            hint = (f"give every band at least kernel // 2 + 1 = {kernel // 2 + 1} patch rows" if kernel < grid else
-                    "a kernel spanning every row splits over at most 2 bands")
+            hint = (
+                f"give every band at least kernel // 2 + 1 = {kernel // 2 + 1} patch rows"
+                if kernel < grid
+                else "a kernel spanning every row splits over at most 2 bands"
+            )
             raise ConfigError(
                 f"neighbourhood attention with kernel {kernel} on {grid} patch rows cannot be split into bands of "
                 f"{list(extents)} patch rows: band {r} (rows [{start}, {start + e})) needs key rows [{lo}, {hi}), "
                 f"beyond its neighbours' rows [{start - prev}, {start + e + nxt}); {hint} (use fewer domain ranks "
-                "or a smaller kernel)")
+                "or a smaller kernel)"
+            )
         plan.append((top, bottom))
     return tuple(plan)
 
@@ -78,12 +86,11 @@ class _NeighbourhoodAttentionMixin:
         dg = self._domain
         ext = token_extents(dg, x.shape[1])
         plan = halo_plan(tuple(ext), self.kernel)
-        start = sum(ext[:dg.rank])
+        start = sum(ext[: dg.rank])
         q, k, v = self.project(x, start)  # rope (if any) at global rows, before k leaves its owner
         # k and v in one exchange: (2, B, heads, rows, W, head_dim), rows at dim 3
         k, v = halo_rows(torch.stack((k, v)), plan, dg, dim=3).unbind(0)
-        return self.attend(q, k, v, q_row_offset=start, kv_row_offset=start - plan[dg.rank][0],
-                           grid_rows=sum(ext))
+        return self.attend(q, k, v, q_row_offset=start, kv_row_offset=start - plan[dg.rank][0], grid_rows=sum(ext))
 
 
 class _PosEmbedMixin:
@@ -93,47 +100,57 @@ class _PosEmbedMixin:
 
     def forward(self, x, row_offset: int = 0):
         ext = token_extents(self._domain, x.shape[1])
-        return super().forward(x, sum(ext[:self._domain.rank]) + row_offset)
+        return super().forward(x, sum(ext[: self._domain.rank]) + row_offset)
 
 
 def _attention(m: dit.NeighbourhoodAttention, dg: DomainGroup) -> None:
     # Band thickness is checked by the DiT rule (which knows the patch size) and again, from the
     # token rows, on every forward (alike on all ranks, so all refuse before any communication).
-    splitter.swap_class(m, _NeighbourhoodAttentionMixin, dg)
+    swap_class(m, _NeighbourhoodAttentionMixin, dg)
 
 
 def _pos_embed(m: dit.PosEmbed2d, dg: DomainGroup) -> None:
-    splitter.swap_class(m, _PosEmbedMixin, dg)
+    swap_class(m, _PosEmbedMixin, dg)
 
 
 def _patch_embed(m: dit.PatchEmbed, dg: DomainGroup) -> None:
     conv = m.proj
     p = conv.stride[0]
     if conv.kernel_size[0] != p or conv.padding[0] != 0 or conv.dilation[0] != 1:
-        raise ConfigError(f"patch embedding conv with kernel {conv.kernel_size}, stride {conv.stride}, padding "
-                          f"{conv.padding}, dilation {conv.dilation} is not local on bands of patch rows "
-                          "(supported: kernel = stride, no padding, no dilation)")
+        raise ConfigError(
+            f"patch embedding conv with kernel {conv.kernel_size}, stride {conv.stride}, padding "
+            f"{conv.padding}, dilation {conv.dilation} is not local on bands of patch rows "
+            "(supported: kernel = stride, no padding, no dilation)"
+        )
     if any(e % p for e in dg.extents):
-        raise ConfigError(f"domain extents {dg.extents} (pixel rows) must be multiples of patch_size={p}, so "
-                          "every band holds whole patch rows")
+        raise ConfigError(
+            f"domain extents {dg.extents} (pixel rows) must be multiples of patch_size={p}, so "
+            "every band holds whole patch rows"
+        )
 
 
 def _dit(m: dit.DiT, dg: DomainGroup) -> None:
     p, rows = m.patch_size, m.img_resolution[0]
     if any(e % p for e in dg.extents):
-        raise ConfigError(f"domain extents {dg.extents} (pixel rows) must be multiples of patch_size={p}, so "
-                          "every band holds whole patch rows")
+        raise ConfigError(
+            f"domain extents {dg.extents} (pixel rows) must be multiples of patch_size={p}, so "
+            "every band holds whole patch rows"
+        )
     if sum(dg.extents) != rows:
-        raise ConfigError(f"domain extents {dg.extents} cover {sum(dg.extents)} pixel rows but the model's grid "
-                          f"has {rows}")
+        raise ConfigError(
+            f"domain extents {dg.extents} cover {sum(dg.extents)} pixel rows but the model's grid has {rows}"
+        )
     tokens = tuple(e // p for e in dg.extents)
     for kernel in sorted({a.kernel for a in m.modules() if isinstance(a, dit.NeighbourhoodAttention)}):
         halo_plan(tokens, kernel)
 
 
-splitter.register(dit.DiT, _dit)  # holds mask_token (per token); checks the bands
-splitter.register(dit.NeighbourhoodAttention, _attention)
-splitter.register(dit.PosEmbed2d, _pos_embed)
-splitter.register(dit.PatchEmbed, _patch_embed, handles_children=True)
-# Per token (or per sample); Rope2d is parameter-free and its caller passes global rows.
-splitter.register_local(dit.Rope2d, dit.TimestepEmbed, dit.Mlp, dit.DiTBlock, dit.FinalLayer)
+PLAN = (
+    TORCH_PLAN.extend("dit")
+    .rule(dit.DiT, _dit)  # holds mask_token (per token); checks the bands
+    .rule(dit.NeighbourhoodAttention, _attention)
+    .rule(dit.PosEmbed2d, _pos_embed)
+    .rule(dit.PatchEmbed, _patch_embed, subtree=True)
+    # Per token (or per sample); Rope2d is parameter-free and its caller passes global rows.
+    .local(dit.Rope2d, dit.TimestepEmbed, dit.Mlp, dit.DiTBlock, dit.FinalLayer)
+)

@@ -61,8 +61,7 @@ def test_resumed_run_logs_the_losses_of_an_unbroken_one(tmp_path):
     b = tmp_path / "b"
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "step_00000006")
-    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read(a / "metrics.jsonl")
-                                             if r["step"] <= 3))
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read(a / "metrics.jsonl") if r["step"] <= 3))
     over = tiny_overrides(b, data, deterministic="true", **{"hydra.run.dir": str(b)})
     proc = run_cli(over, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -75,8 +74,9 @@ def test_resumed_run_logs_the_losses_of_an_unbroken_one(tmp_path):
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32", "fp16"])
 def test_precisions_train(tmp_path, precision):
-    over = tiny_overrides(tmp_path, tmp_path / "data", precision=precision, **{"trainer.max_steps": 3,
-                          "checkpoint": "none"})
+    over = tiny_overrides(
+        tmp_path, tmp_path / "data", precision=precision, **{"trainer.max_steps": 3, "checkpoint": "none"}
+    )
     proc = run_cli(over, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read(tmp_path / "run" / "metrics.jsonl", "train")
@@ -90,22 +90,33 @@ def test_grad_accumulation_matches_the_full_batch(tmp_path):
     losses = {}
     for accum in (1, 2):
         d = tmp_path / f"acc{accum}"
-        over = tiny_overrides(d, tmp_path / "data", deterministic="true", checkpoint="none",
-                              **{"trainer.grad_accum": accum, "trainer.max_steps": 3})
+        over = tiny_overrides(
+            d,
+            tmp_path / "data",
+            deterministic="true",
+            checkpoint="none",
+            **{"trainer.grad_accum": accum, "trainer.max_steps": 3},
+        )
         assert run_cli(over, cwd=tmp_path).returncode == 0
         losses[accum] = [r["loss"] for r in read(d / "run" / "metrics.jsonl", "train")]
     np.testing.assert_allclose(losses[1], losses[2], rtol=1e-5)
 
 
-@pytest.mark.parametrize("args,pattern", [
-    (["trainer.max_steps=0"], r"^error: trainer\.max_steps: must be > 0"),
-    (["model=nope"], r"^error: .*Could not find 'model/nope'; available:"),
-    (["optim._target_=os.system"], r"^error: optim\._target_: target 'os\.system' is not allowed"),
-    (["recipe=stormscope"], r"^error: data\.root: missing value"),
-    (["recipe=tiny_stormscope", "model.attn_kernel=4"], r"^error: model\.attn_kernel: must be odd \(got 4\)"),
-    (["recipe=tiny_stormscope", "data.grid=[33,32]"], r"^error: data\.grid: rows=33 is not divisible by 2, the patch size"),
-    (["data.grid=[33,32]"], r"^error: data\.grid: rows=33 is not divisible by 2"),
-])
+@pytest.mark.parametrize(
+    "args,pattern",
+    [
+        (["trainer.max_steps=0"], r"^error: trainer\.max_steps: must be > 0"),
+        (["model=nope"], r"^error: .*Could not find 'model/nope'; available:"),
+        (["optim._target_=os.system"], r"^error: optim\._target_: target 'os\.system' is not allowed"),
+        (["recipe=stormscope"], r"^error: data\.root: missing value"),
+        (["recipe=tiny_stormscope", "model.attn_kernel=4"], r"^error: model\.attn_kernel: must be odd \(got 4\)"),
+        (
+            ["recipe=tiny_stormscope", "data.grid=[33,32]"],
+            r"^error: data\.grid: rows=33 is not divisible by 2, the patch size",
+        ),
+        (["data.grid=[33,32]"], r"^error: data\.grid: rows=33 is not divisible by 2"),
+    ],
+)
 def test_bad_config_is_one_line_and_exit_2(tmp_path, args, pattern):
     proc = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert_one_line_error(proc, 2, pattern)
@@ -113,16 +124,25 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, args, pattern):
 
 
 def test_bad_data_is_one_line_and_exit_3(tmp_path):
-    from recipes.stormcast.synthetic import write_synthetic
+    from recipes.weather.synthetic import write_synthetic
 
     root = write_synthetic(tmp_path / "store", height=16, width=16, years=(2020, 2021), hours_per_year=24)
-    args = [f"hydra.run.dir={tmp_path / 'run'}", "data=hrrr_era5", f"data.root={root}", "data.grid=[16,16]",
-            "data.train_years=[2020]", "data.val_years=[2021]", "data.hrrr_channels=[t2m,refc]",
-            "data.era5_channels=[u850]", "model=songunet_tiny"]
+    args = [
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "data=hrrr_era5",
+        f"data.root={root}",
+        "data.grid=[16,16]",
+        "data.train_years=[2020]",
+        "data.val_years=[2021]",
+        "data.hrrr_channels=[t2m,refc]",
+        "data.era5_channels=[u850]",
+        "model=songunet_tiny",
+    ]
     proc = run_cli(args, cwd=tmp_path)
     assert_one_line_error(proc, 3, r"^error: .*2020\.zarr: channel 'refc' not in variable 'data'")
-    proc = run_cli([*args[:-2], "data.hrrr_channels=[t2m]", "data.era5_channels=[u850]",
-                    "data.train_years=[2019]"], cwd=tmp_path)
+    proc = run_cli(
+        [*args[:-2], "data.hrrr_channels=[t2m]", "data.era5_channels=[u850]", "data.train_years=[2019]"], cwd=tmp_path
+    )
     assert_one_line_error(proc, 3, r"^error: .*2019\.zarr")
 
 

@@ -10,9 +10,14 @@ from framework.cli import CONF_DIR
 from framework.errors import ConfigError
 
 GROUP_TO_REGISTRY = {
-    "model": registry.models, "data": registry.datasets, "sharding": registry.sharding,
-    "splitter": registry.splitters, "precision": registry.precision, "checkpoint": registry.checkpoint,
-    "logger": registry.loggers, "schedule": registry.schedules,
+    "model": registry.models,
+    "data": registry.datasets,
+    "sharding": registry.sharding,
+    "splitter": registry.splitters,
+    "precision": registry.precision,
+    "checkpoint": registry.checkpoint,
+    "logger": registry.loggers,
+    "schedule": registry.schedules,
 }
 
 

@@ -32,14 +32,21 @@ def _idle_nodes() -> tuple[tuple[str, ...], str]:
     if shutil.which("sinfo") is None:
         return (), "sinfo not found (install with: bash slurm/install.sh)"
     try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %t"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %t"], capture_output=True, text=True, timeout=10
+        )
     except subprocess.TimeoutExpired:
         return (), "sinfo timed out: slurmctld does not answer"
     if out.returncode != 0:
-        return (), f"sinfo failed: {out.stderr.strip() or out.stdout.strip()} (start it: bash slurm/local_cluster.sh start)"
-    nodes = tuple(ln.split()[0] for ln in out.stdout.splitlines()
-                  if len(ln.split()) == 2 and ln.split()[1].rstrip("*~#").startswith(("idle", "mix", "alloc")))
+        return (
+            (),
+            f"sinfo failed: {out.stderr.strip() or out.stdout.strip()} (start it: bash slurm/local_cluster.sh start)",
+        )
+    nodes = tuple(
+        ln.split()[0]
+        for ln in out.stdout.splitlines()
+        if len(ln.split()) == 2 and ln.split()[1].rstrip("*~#").startswith(("idle", "mix", "alloc"))
+    )
     return nodes, "" if nodes else f"no usable node in partition debug: {out.stdout.strip()!r}"
 
 
@@ -52,21 +59,25 @@ def _need_cluster(min_nodes: int = 1) -> tuple[str, ...]:
         pytest.skip(msg)
     if len(nodes) < min_nodes:
         # a one-node cluster is a valid setup: skip even when required
-        pytest.skip(f"needs {min_nodes} nodes, the cluster has {len(nodes)} "
-                    "(bash slurm/local_cluster.sh start --nodes 2)")
+        pytest.skip(
+            f"needs {min_nodes} nodes, the cluster has {len(nodes)} (bash slurm/local_cluster.sh start --nodes 2)"
+        )
     return nodes
 
 
 def _train_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    assert path.is_file(), f"no metrics.jsonl in {run_dir}: {sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else 'no dir'}"
+    assert path.is_file(), (
+        f"no metrics.jsonl in {run_dir}: {sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else 'no dir'}"
+    )
     rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     return [r for r in rows if r.get("split") == "train"]
 
 
 def _check(proc: subprocess.CompletedProcess, what: str) -> None:
-    assert proc.returncode == 0, (f"{what} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                                  f"\n--- stderr\n{proc.stderr[-4000:]}")
+    assert proc.returncode == 0, (
+        f"{what} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +90,14 @@ def test_srun_ddp_two_tasks(tmp_path, data_root):
     """srun -n 2 python -m framework: ranks and rendezvous come from SLURM's variables."""
     _need_cluster()
     args = tiny_overrides(tmp_path, data_root, parallel="ddp", device="cpu")
-    proc = subprocess.run(["srun", "-n", "2", "--time=10", sys.executable, "-m", "framework", *args],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        ["srun", "-n", "2", "--time=10", sys.executable, "-m", "framework", *args],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     _check(proc, "srun -n 2 python -m framework")
     rows = _train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, 7))
@@ -91,13 +108,31 @@ def test_multirun_submitit_sweep(tmp_path, data_root):
     """--multirun through hydra/launcher=submitit_slurm: 2 jobs of 2 tasks each (gloo)."""
     _need_cluster()
     sweep = tmp_path / "sweep"
-    args = [a for a in tiny_overrides(tmp_path, data_root, parallel="ddp", device="cpu")
-            if not a.startswith("hydra.run.dir=")]
+    args = [
+        a
+        for a in tiny_overrides(tmp_path, data_root, parallel="ddp", device="cpu")
+        if not a.startswith("hydra.run.dir=")
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "framework", "--multirun", "hydra/launcher=submitit_slurm",
-         "cluster=slurm_local", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}",
-         "hydra.sweep.subdir=job${hydra.job.num}_lr${optim.lr}", "hydra.launcher.timeout_min=10", *args],
-        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=280)
+        [
+            sys.executable,
+            "-m",
+            "framework",
+            "--multirun",
+            "hydra/launcher=submitit_slurm",
+            "cluster=slurm_local",
+            "optim.lr=1e-3,2e-3",
+            f"hydra.sweep.dir={sweep}",
+            "hydra.sweep.subdir=job${hydra.job.num}_lr${optim.lr}",
+            "hydra.launcher.timeout_min=10",
+            *args,
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     _check(proc, "python -m framework --multirun (submitit_slurm)")
     job_dirs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert len(job_dirs) == 2, [p.name for p in sweep.iterdir()]
@@ -114,17 +149,26 @@ def test_multirun_submitit_sweep(tmp_path, data_root):
 def test_srun_two_nodes(tmp_path, data_root):
     """2 nodes x 2 tasks: ranks spread over both nodes (n1, n2 on this one host)."""
     _need_cluster(min_nodes=2)
-    probe = subprocess.run(["srun", "-N", "2", "--ntasks-per-node=2", "--time=2", "bash", "-c",
-                            "echo $SLURM_PROCID $SLURMD_NODENAME"],
-                           env=ENV, capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        ["srun", "-N", "2", "--ntasks-per-node=2", "--time=2", "bash", "-c", "echo $SLURM_PROCID $SLURMD_NODENAME"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     _check(probe, "srun -N 2 --ntasks-per-node=2")
     placed = dict(ln.split() for ln in probe.stdout.splitlines())
     assert sorted(placed) == ["0", "1", "2", "3"] and len(set(placed.values())) == 2, placed
 
     args = tiny_overrides(tmp_path, data_root, parallel="ddp", device="cpu")
-    proc = subprocess.run(["srun", "-N", "2", "--ntasks-per-node=2", "--time=10", sys.executable,
-                           "-m", "framework", *args],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        ["srun", "-N", "2", "--ntasks-per-node=2", "--time=10", sys.executable, "-m", "framework", *args],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     _check(proc, "srun -N 2 --ntasks-per-node=2 python -m framework")
     rows = _train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, 7))
@@ -150,12 +194,27 @@ def _sbatch_and_wait(args: list[str], cwd: Path, timeout: float = 240) -> tuple[
 def test_sbatch_template(tmp_path, data_root):
     """slurm/train.sbatch on the local cluster (CPU: no GPUs, 2 tasks)."""
     _need_cluster()
-    args = [a for a in tiny_overrides(tmp_path, data_root, parallel="ddp", device="cpu")
-            if not a.startswith("hydra.run.dir=")]
+    args = [
+        a
+        for a in tiny_overrides(tmp_path, data_root, parallel="ddp", device="cpu")
+        if not a.startswith("hydra.run.dir=")
+    ]
     state, code = _sbatch_and_wait(
-        ["--partition=debug", "--gpus-per-node=0", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-         "--mem=1G", "--time=10", f"--output={tmp_path}/slurm-%j.out", f"--export=ALL,RUN_DIR={tmp_path / 'run'}",
-         str(REPO / "slurm" / "train.sbatch"), *args], tmp_path)
+        [
+            "--partition=debug",
+            "--gpus-per-node=0",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--cpus-per-task=1",
+            "--mem=1G",
+            "--time=10",
+            f"--output={tmp_path}/slurm-%j.out",
+            f"--export=ALL,RUN_DIR={tmp_path / 'run'}",
+            str(REPO / "slurm" / "train.sbatch"),
+            *args,
+        ],
+        tmp_path,
+    )
     logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert (state, code) == ("COMPLETED", "0:0"), f"job ended {state} (exit {code})\n{logs[-4000:]}"
     rows = _train_rows(tmp_path / "run")

@@ -14,8 +14,17 @@ def songunet(seed: int, channels_last: bool = False):
     from recipes.stormcast.songunet import SongUNet
 
     torch.manual_seed(seed)
-    m = SongUNet((16, 16), 5, 3, model_channels=8, channel_mult=[1, 2], num_blocks=1, attn_resolutions=[8],
-                 dropout=0.0, embedding_type="zero")
+    m = SongUNet(
+        (16, 16),
+        5,
+        3,
+        model_channels=8,
+        channel_mult=[1, 2],
+        num_blocks=1,
+        attn_resolutions=[8],
+        dropout=0.0,
+        embedding_type="zero",
+    )
     for p in m.parameters():  # the zero-initialised output conv would hide mistakes
         torch.nn.init.normal_(p, std=0.05)
     if channels_last:
@@ -23,24 +32,32 @@ def songunet(seed: int, channels_last: bool = False):
     return m
 
 
-def trainer(topology, sharding: str, *, seed=0, channels_last=False, precision="fp32", init_scale=1024.0,
-            lr=1e-2):
+def trainer(topology, sharding: str, *, seed=0, channels_last=False, precision="fp32", init_scale=1024.0, lr=1e-2):
     """What CheckpointManager.save/load read: model, optimizer, scheduler, precision, step, run_id."""
     from framework.config.schema import PrecisionConfig, ShardingConfig
-    from framework.distributed import precision as precision_mod, sharding as policies
+    from framework.distributed import precision as precision_mod
+    from framework.distributed import sharding as policies
 
     torch.set_num_threads(1)  # ranks share 2 cores: no oversubscription
     device = torch.device("cpu")
     prec = precision_mod.build(PrecisionConfig(name=precision, init_scale=init_scale), device)
     model = songunet(seed, channels_last)
     if topology is not None and topology.mesh is not None:
-        model = getattr(policies, sharding)(model, ShardingConfig(name=sharding), topology=topology,
-                                            precision=prec, device=device).model
+        model = getattr(policies, sharding)(
+            model, ShardingConfig(name=sharding), topology=topology, precision=prec, device=device
+        ).model
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    return SimpleNamespace(model=model, optimizer=opt, scheduler=sched, precision=prec, step=0,
-                           run_id=f"run{seed}", dp_rank=0 if topology is None else topology.dp_rank,
-                           dp_size=1 if topology is None else topology.dp_size)
+    return SimpleNamespace(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        precision=prec,
+        step=0,
+        run_id=f"run{seed}",
+        dp_rank=0 if topology is None else topology.dp_rank,
+        dp_size=1 if topology is None else topology.dp_size,
+    )
 
 
 def batch(step: int, dp_rank: int = 0, dp_size: int = 1, channels_last: bool = False):

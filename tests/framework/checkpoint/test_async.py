@@ -5,7 +5,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 
 from framework.checkpoint.dcp import DcpBackend
@@ -25,8 +24,14 @@ def big_trainer(seed=0):
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return SimpleNamespace(model=model, optimizer=opt, scheduler=sched, precision=Precision("fp32", None, False, None),
-                           step=0, run_id="big")
+    return SimpleNamespace(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        precision=Precision("fp32", None, False, None),
+        step=0,
+        run_id="big",
+    )
 
 
 def step(t, m):

@@ -24,8 +24,16 @@ RTOL = 1e-5
 def command(overrides: list[str], nproc: int) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "framework", *overrides]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "framework", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "framework",
+        *overrides,
+    ]
 
 
 def env():
@@ -33,14 +41,27 @@ def env():
 
 
 def overrides(tmp: Path, run: str, layout: list[str], **extra) -> list[str]:
-    o = {"hydra.run.dir": str(tmp / run), "deterministic": "true", "trainer.max_steps": STEPS,
-         "trainer.val_every": 0, "checkpoint": "dcp", "checkpoint.every": 3, **extra}
+    o = {
+        "hydra.run.dir": str(tmp / run),
+        "deterministic": "true",
+        "trainer.max_steps": STEPS,
+        "trainer.val_every": 0,
+        "checkpoint": "dcp",
+        "checkpoint.every": 3,
+        **extra,
+    }
     return [*layout, *tiny_overrides(tmp, tmp / "data", **o)]
 
 
 def launch(tmp: Path, run: str, layout: list[str], nproc: int, **extra) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command(overrides(tmp, run, layout, **extra), nproc), cwd=tmp, env=env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        command(overrides(tmp, run, layout, **extra), nproc),
+        cwd=tmp,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"{run} failed:\n{proc.stderr[-3000:]}"
     return proc
 
@@ -64,8 +85,12 @@ def assert_same_curve(got: dict[int, float], ref: dict[int, float], steps):
 
 
 # -- the reshard matrix -----------------------------------------------------------------------------
-SOURCES = {"none_x1": (["parallel=none"], 1), "ddp_x2": (["parallel=ddp"], 2), "fsdp2_x2": (["parallel=fsdp2"], 2),
-           "fsdp2_domain_x4": (["parallel=fsdp2_domain"], 4)}  # the 2-D mesh: dp_shard 2 x domain 2
+SOURCES = {
+    "none_x1": (["parallel=none"], 1),
+    "ddp_x2": (["parallel=ddp"], 2),
+    "fsdp2_x2": (["parallel=fsdp2"], 2),
+    "fsdp2_domain_x4": (["parallel=fsdp2_domain"], 4),
+}  # the 2-D mesh: dp_shard 2 x domain 2
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +109,17 @@ def sources(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("source,target,nproc", [
-    ("fsdp2_x2", ["parallel=none"], 1),
-    ("none_x1", ["parallel=fsdp2"], 2),
-    ("fsdp2_x2", ["parallel=hsdp"], 4),
-    ("ddp_x2", ["parallel=fsdp2"], 2),
-    ("fsdp2_domain_x4", ["parallel=none"], 1),  # 2-D dp x domain checkpoint into one process
-    ("none_x1", ["parallel=fsdp2_domain"], 4),  # and back into the 2-D mesh
-])
+@pytest.mark.parametrize(
+    "source,target,nproc",
+    [
+        ("fsdp2_x2", ["parallel=none"], 1),
+        ("none_x1", ["parallel=fsdp2"], 2),
+        ("fsdp2_x2", ["parallel=hsdp"], 4),
+        ("ddp_x2", ["parallel=fsdp2"], 2),
+        ("fsdp2_domain_x4", ["parallel=none"], 1),  # 2-D dp x domain checkpoint into one process
+        ("none_x1", ["parallel=fsdp2_domain"], 4),  # and back into the 2-D mesh
+    ],
+)
 def test_dcp_checkpoint_resumes_under_another_layout(sources, source, target, nproc):
     tmp, ref = sources(source)
     ckpt = tmp / source / "checkpoints" / "step_00000003"
@@ -113,15 +141,25 @@ def test_kill_9_after_a_checkpoint_then_resume_latest(sources):
     run = tmp / "killed"
     # Validating every step only slows the run down (it changes no training state), so the
     # kill lands between the step-3 checkpoint and the end.
-    cmd = command(overrides(tmp, "killed", ["parallel=fsdp2"], **{"checkpoint": "dcp_async",
-                                                                   "trainer.val_every": 1,
-                                                                   "trainer.val_batches": 0}), 2)
-    proc = subprocess.Popen(cmd, cwd=tmp, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    cmd = command(
+        overrides(
+            tmp,
+            "killed",
+            ["parallel=fsdp2"],
+            **{"checkpoint": "dcp_async", "trainer.val_every": 1, "trainer.val_batches": 0},
+        ),
+        2,
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=tmp, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
 
     def ready():  # the step-3 checkpoint is committed and step 4 has trained
-        return (run / "checkpoints" / "step_00000003" / "meta.json").is_file() and \
-            (run / "metrics.jsonl").is_file() and max(losses(run), default=0) >= 4
+        return (
+            (run / "checkpoints" / "step_00000003" / "meta.json").is_file()
+            and (run / "metrics.jsonl").is_file()
+            and max(losses(run), default=0) >= 4
+        )
 
     try:
         deadline = time.monotonic() + 300
@@ -145,8 +183,14 @@ def test_kill_9_after_a_checkpoint_then_resume_latest(sources):
 
 # -- export -------------------------------------------------------------------------------------------
 def _export(ckpt: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "framework.export", str(ckpt), str(out)], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "framework.export", str(ckpt), str(out)],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _plain(out: Path):
@@ -181,8 +225,14 @@ def test_export_from_dcp_and_torch_save(sources, tmp_path):
 
     model = SongUNet(**cfg["kwargs"])
     opt = torch.optim.Adam(model.parameters())
-    t = SimpleNamespace(model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                        precision=Precision("fp32", None, False, None), step=0, run_id="x")
+    t = SimpleNamespace(
+        model=model,
+        optimizer=opt,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        precision=Precision("fp32", None, False, None),
+        step=0,
+        run_id="x",
+    )
     m = CheckpointManager(CheckpointConfig(name="dcp"), DcpBackend(), tmp_path / "unused", DistEnv())
     m.load(ckpt, t)
     x = torch.randn(2, 9, 16, 16)
@@ -208,8 +258,15 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
     cases.append(tmp_path / "step_00000001")
     broken = tmp_path / "checkpoints" / "step_00000002"
     broken.mkdir(parents=True)
-    (broken / "meta.json").write_text(json.dumps({"step": 2, "format": "dcp", "config": {
-        "model": {"name": "songunet"}, "data": {"hrrr_channels": ["a"], "grid": [16, 16]}}}))
+    (broken / "meta.json").write_text(
+        json.dumps(
+            {
+                "step": 2,
+                "format": "dcp",
+                "config": {"model": {"name": "songunet"}, "data": {"hrrr_channels": ["a"], "grid": [16, 16]}},
+            }
+        )
+    )
     (broken / ".metadata").write_bytes(b"\x80\x04garbage")
     cases.append(broken)
     nomodel = tmp_path / "checkpoints" / "step_00000003"
@@ -223,4 +280,5 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "out.pt").exists()
     proc = _export(broken, tmp_path / "out.pt")  # as a user runs it: exit code, one line, no traceback
     assert proc.returncode == 3 and proc.stderr.strip().splitlines() == [
-        f"error: checkpoint file {broken / '.metadata'} cannot be read: pickle data was truncated"], proc.stderr
+        f"error: checkpoint file {broken / '.metadata'} cannot be read: pickle data was truncated"
+    ], proc.stderr

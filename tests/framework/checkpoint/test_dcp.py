@@ -29,8 +29,9 @@ def _manager(tmp, backend, rank, world, **cfg):
     from framework.distributed.env import DistEnv
 
     impl = {"dcp": DcpBackend, "dcp_async": AsyncDcpBackend}[backend]()
-    return CheckpointManager(CheckpointConfig(name=backend, **cfg), impl, tmp, DistEnv(rank, world, rank, "torchrun"),
-                             barrier=dist.barrier)
+    return CheckpointManager(
+        CheckpointConfig(name=backend, **cfg), impl, tmp, DistEnv(rank, world, rank, "torchrun"), barrier=dist.barrier
+    )
 
 
 def _same_everywhere(t: torch.Tensor) -> bool:
@@ -102,8 +103,10 @@ def _channels_last(rank, world, tmp):
             assert torch.equal(v, saved[k]), (sharding, k)
             assert _same_everywhere(v), (sharding, k)
         if sharding == "ddp":  # the live parameters keep their channels_last layout
-            assert any(p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)
-                       and not p.is_contiguous() for p in b.model.parameters())
+            assert any(
+                p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+                for p in b.model.parameters()
+            )
         # a DDP (channels_last) checkpoint loads into FSDP2 and back
         if i == 0:
             c = trainer(topo, "fsdp2", seed=4)
@@ -119,15 +122,15 @@ def test_channels_last_parameters_bit_identical_across_ranks(tmp_path):
 # -- GradScaler under FSDP2 with fp16 autocast -----------------------------------------------------
 def _grad_scaler(rank, world, tmp):
     topo = _topology(world)
-    a = trainer(topo, "fsdp2", seed=0, precision="fp16", init_scale=2.0 ** 12)
+    a = trainer(topo, "fsdp2", seed=0, precision="fp16", init_scale=2.0**12)
     m = _manager(tmp, "dcp", rank, world)
     train(a, 3, m, poison_step=1)  # step 1 overflows: skipped, the scale backs off
     scaler = a.precision.scaler
-    assert scaler.get_scale() == 2.0 ** 11
+    assert scaler.get_scale() == 2.0**11
     saved = scaler.state_dict()
     assert saved["_growth_tracker"] == 1
     m.save(a, {})
-    b = trainer(topo, "fsdp2", seed=1, precision="fp16", init_scale=2.0 ** 16)
+    b = trainer(topo, "fsdp2", seed=1, precision="fp16", init_scale=2.0**16)
     m.load(m.latest(), b)
     assert b.precision.scaler.state_dict() == saved
     train(a, 2)
@@ -155,6 +158,7 @@ def _crash_mid_save(rank, world, tmp):
         torch.save(params, tmp / "expected.pt")
     train(a, 1, m)
     if rank == 1:
+
         def die(self, plan, planner):  # half a file, then the process is gone (kill -9 alike)
             with open(os.path.join(self.path, "__1_0.distcp"), "wb") as f:
                 f.write(b"\x00" * 100)
@@ -172,7 +176,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     from framework.distributed.env import DistEnv
     from framework.errors import DataError
 
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017  (the crashed rank surfaces as any error)
         spawn(_crash_mid_save, 2, tmp_path, timeout_s=30)
     root = tmp_path / "checkpoints"
     assert (root / ".tmp-step_00000002").is_dir() and not (root / "step_00000002").exists()
@@ -186,8 +190,9 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
         assert torch.equal(v, expected[k]), k
     # the partial one, named explicitly, is a one-line error
     with pytest.raises(DataError, match="incomplete or corrupt: no meta.json"):
-        CheckpointManager(CheckpointConfig(name="dcp", resume=str(root / ".tmp-step_00000002")), DcpBackend(),
-                          tmp_path, DistEnv()).resume_path()
+        CheckpointManager(
+            CheckpointConfig(name="dcp", resume=str(root / ".tmp-step_00000002")), DcpBackend(), tmp_path, DistEnv()
+        ).resume_path()
     # the next commit sweeps the leftover
     train(t, 1, m)
     m.save(t, {})
@@ -195,3 +200,75 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert json.loads((root / "step_00000002" / "meta.json").read_text())["world_size"] == 1
     with pytest.raises(DataError):
         m.load(root / ".tmp-step_00000002", t)
+
+
+# -- a save whose collective times out: exit code 5, never 1 ---------------------------------------
+def _save_times_out(rank, world, tmp):
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    topo = _topology(world)
+    a = trainer(topo, "fsdp2", seed=0)
+    m = _manager(tmp, "dcp", rank, world)
+    train(a, 1, m)
+    if rank == 1:  # a rank hung in its write: rank 0 waits for its result past parallel.timeout_s
+        original = FileSystemWriter.write_data
+
+        def slow(self, plan, planner):
+            time.sleep(8)
+            return original(self, plan, planner)
+
+        FileSystemWriter.write_data = slow
+    try:
+        m.save(a, {})
+        outcome = "saved"
+    except Exception as e:  # noqa: BLE001  (recorded for the test to check)
+        outcome = f"{type(e).__name__}|{getattr(e, 'exit_code', None)}|{e}"
+    (tmp / f"rank{rank}.txt").write_text(outcome)
+
+
+def test_a_save_whose_collective_times_out_exits_5(tmp_path):
+    spawn(_save_times_out, 2, tmp_path, timeout_s=3)
+    kind, code, message = (tmp_path / "rank0.txt").read_text().split("|", 2)
+    assert kind == "CheckpointSaveCommError" and code == "5", message
+    assert message.startswith("saving checkpoint step_00000001 failed: a peer rank died or a collective timed out (")
+    assert message.endswith("; the previous checkpoint is intact") and "\n" not in message
+    assert not (tmp_path / "checkpoints" / "step_00000001").exists()
+
+
+# -- verification is shared by the ranks and agreed on ------------------------------------------------
+def _verify_together(rank, world, tmp):
+    import torch.distributed as dist
+
+    from framework.checkpoint import manifest
+    from framework.errors import DataError
+
+    manifest.CHUNK = 4096  # many chunks per file: each rank hashes every other one
+    topo = _topology(world)
+    a = trainer(topo, "fsdp2", seed=0)
+    m = _manager(tmp, "dcp", rank, world)
+    train(a, 1, m)
+    path = m.save(a, {})
+    man = json.loads((path / "manifest.json").read_text())
+    items = [(n, i) for n, e in sorted(man["files"].items()) for i in range(len(e["chunks"]))]
+    k = next(k for k, (n, _) in enumerate(items) if k % world == 1 and n.endswith(".distcp"))
+    name, chunk = items[k]  # a chunk only rank 1 hashes
+    if rank == 0:
+        f = path / name
+        blob = bytearray(f.read_bytes())
+        blob[chunk * 4096 + 7] ^= 1
+        f.write_bytes(bytes(blob))
+    dist.barrier()
+    try:
+        m.load(path, trainer(topo, "fsdp2", seed=1))
+        outcome = "loaded"
+    except DataError as e:
+        outcome = str(e)
+    (tmp / f"rank{rank}.txt").write_text(outcome)
+
+
+def test_ranks_share_the_verification_and_agree(tmp_path):
+    spawn(_verify_together, 2, tmp_path)
+    zero, one = (tmp_path / "rank0.txt").read_text(), (tmp_path / "rank1.txt").read_text()
+    assert zero == one and "does not match its checksum (bytes " in zero, (zero, one)

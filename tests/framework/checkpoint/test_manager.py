@@ -6,8 +6,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 import torch
 
 from framework.checkpoint.dcp import DcpBackend
@@ -19,14 +17,17 @@ from framework.distributed.env import DistEnv
 from framework.distributed.precision import Precision
 from framework.errors import ConfigError, DataError
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 def make_trainer(seed=0, scaler=False):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    prec = Precision("fp16" if scaler else "fp32", None, False,
-                     torch.amp.GradScaler("cpu", init_scale=128.0) if scaler else None)
+    prec = Precision(
+        "fp16" if scaler else "fp32", None, False, torch.amp.GradScaler("cpu", init_scale=128.0) if scaler else None
+    )
     t = SimpleNamespace(model=model, optimizer=opt, scheduler=sched, precision=prec, step=0, run_id="abc")
     return t
 
@@ -184,10 +185,47 @@ def test_newest_is_the_last_committed_and_resaving_a_step_replaces_it(tmp_path):
 
 
 def test_corrupt_dcp_checkpoint_named_explicitly_is_one_line(tmp_path):
+    """Against the manifest: sizes and checksums of every file."""
     t = make_trainer()
     train(t, 1)
     m = manager(tmp_path, "dcp")
     path = m.save(t, {})
+    data = path / "__0_0.distcp"
+    blob = data.read_bytes()
+
+    def fails(pattern):
+        with pytest.raises(DataError, match=pattern) as info:
+            m.load(path, make_trainer(seed=1))
+        assert "\n" not in str(info.value)
+
+    data.write_bytes(blob[: len(blob) // 2])
+    fails(rf"is corrupt: __0_0.distcp has {len(blob) // 2} bytes, its manifest says {len(blob)}$")
+    data.write_bytes(blob[:100] + bytes([blob[100] ^ 1]) + blob[101:])  # one flipped bit, same size
+    fails(r"is corrupt: __0_0.distcp does not match its checksum$")
+    data.unlink()
+    fails(r"is incomplete: __0_0.distcp is missing$")
+    data.write_bytes(blob)
+    (path / "extra.pt").write_bytes(b"nonsense")
+    fails(r"is corrupt: extra.pt has 8 bytes, its manifest says")
+    (path / ".metadata").unlink()
+    fails(r"is incomplete: .metadata is missing")
+    (path / "meta.json").write_text("{not json")
+    fails(r"is corrupt: meta.json cannot be read")
+
+
+def test_corrupt_dcp_checkpoint_without_manifest_is_one_line(tmp_path, caplog):
+    """A checkpoint of an older version (no manifest): loaded with a warning; DCP's files are
+    still checked against .metadata before anything is read."""
+    t = make_trainer()
+    train(t, 1)
+    m = manager(tmp_path, "dcp")
+    path = m.save(t, {})
+    (path / "manifest.json").unlink()
+    with caplog.at_level("WARNING", logger="framework"):
+        b = make_trainer(seed=1)
+        m.load(path, b)
+    assert torch.equal(b.model[0].weight, t.model[0].weight)
+    assert "has no manifest.json (written by an older version): its files are not verified" in caplog.text
     data = path / "__0_0.distcp"
     blob = data.read_bytes()
 
@@ -252,5 +290,8 @@ def test_rng_of_a_rank_the_checkpoint_lacks_is_reseeded(tmp_path, caplog):
     two._load_rng(path, json.loads((path / "meta.json").read_text()), {})
     assert torch.equal(torch.rand(2), first)  # deterministic
     (path / "rng" / "rank_0.pt").unlink()
+    with pytest.raises(DataError, match=r"is incomplete: rng/rank_0.pt is missing$"):  # the manifest lists it
+        manager(tmp_path).load(path, make_trainer())
+    (path / "manifest.json").unlink()  # an older checkpoint: the world size in meta.json says it is missing
     with pytest.raises(DataError, match="no RNG state of rank 0"):
         manager(tmp_path).load(path, make_trainer())

@@ -15,7 +15,11 @@ OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((Path(CONF_DIR) / g).glob
 PENDING: set = set()
 # Diffusion recipes name their regression stage: given an export made from the matching
 # regression recipe (its config is what the start-up check reads).
-REGRESSION_OF = {"stormcast_diffusion": "stormcast", "tiny_diffusion": "tiny"}
+REGRESSION_OF = {
+    "stormcast_diffusion": "stormcast",
+    "stormcast_diffusion_fast": "stormcast_fast",
+    "tiny_diffusion": "tiny",
+}
 
 
 def regression_export(compose, tmp_path, recipe: str) -> Path:
@@ -34,15 +38,32 @@ def regression_export(compose, tmp_path, recipe: str) -> Path:
 
 
 def test_groups_of_the_design_exist():
-    for g in ("recipe", "model", "data", "parallel", "sharding", "splitter", "precision", "checkpoint",
-              "logger", "optim", "schedule", "cluster"):
+    for g in (
+        "recipe",
+        "model",
+        "data",
+        "parallel",
+        "sharding",
+        "splitter",
+        "precision",
+        "checkpoint",
+        "logger",
+        "optim",
+        "schedule",
+        "cluster",
+    ):
         assert g in GROUPS
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes(compose, tmp_path, group, option):
     overrides = [f"{group}={option}"]
-    if group == "data" and option != "synthetic" or group == "recipe" and option.startswith(("stormcast", "stormscope")):
+    if (
+        group == "data"
+        and option != "synthetic"
+        or group == "recipe"
+        and option.startswith(("stormcast", "stormscope"))
+    ):
         overrides.append(f"data.root={tmp_path}")  # must exist
     if group == "model" and option.startswith("songunet_stormcast"):
         overrides.append("data.grid=[64,64]")  # 4 down-samplings
@@ -77,7 +98,7 @@ def test_stormcast_recipe_is_paper_size(compose, tmp_path):
 
 def test_stormcast_diffusion_recipe_is_paper_size(compose, tmp_path):
     """The paper's diffusion net: 99 + 99 + 99 + 2 channels in, 99 out, ~121 M parameters."""
-    from recipes.stormcast.diffusion import DiffusionTask
+    from recipes.weather.diffusion import DiffusionTask
 
     reg = regression_export(compose, tmp_path, "stormcast")
     run = validate(compose(["recipe=stormcast_diffusion", f"data.root={tmp_path}", f"task.regression={reg}"]))
@@ -97,7 +118,7 @@ def test_stormscope_recipe_is_the_preset(compose, tmp_path):
     """StormScope's DiT: 16 x 768, 16 heads, patch 4, kernel 31; ~188 M parameters at 512x640."""
     import torch
 
-    from recipes.stormcast.diffusion import DiffusionTask
+    from recipes.weather.diffusion import DiffusionTask
 
     run = validate(compose(["recipe=stormscope", f"data.root={tmp_path}"]))
     m = run.model
@@ -116,14 +137,15 @@ def test_command_line_beats_recipe(compose):
 
 def test_parallel_preset_picks_sharding_and_splitter(compose):
     cfg = compose(["parallel=fsdp2_domain"])
-    assert cfg.sharding.name == "fsdp2" and cfg.splitter.name == "shard_tensor"
+    assert cfg.sharding.name == "fsdp2" and cfg.splitter.name == "rows"
     assert cfg.parallel.domain == 2
     cfg = compose(["parallel=fsdp2_domain", "sharding.reshard_after_forward=never", "parallel.domain=4"])
     assert cfg.sharding.reshard_after_forward == "never" and cfg.parallel.domain == 4
 
 
 def test_job_name_is_framework(compose):
-    from hydra import compose as hc, initialize_config_dir
+    from hydra import compose as hc
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = hc("config", return_hydra_config=True)

@@ -42,8 +42,9 @@ def test_bad_config_names_the_key(compose, overrides, pattern):
     assert info.value.exit_code == 2
 
 
-@pytest.mark.parametrize("target", ["os.system", "subprocess.run", "builtins.eval", "torch.load",
-                                    "torch.optim_evil.X", "${oc.env:HOME}"])
+@pytest.mark.parametrize(
+    "target", ["os.system", "subprocess.run", "builtins.eval", "torch.load", "torch.optim_evil.X", "${oc.env:HOME}"]
+)
 def test_target_outside_allowed_prefixes_is_refused(compose, target):
     with pytest.raises(ConfigError, match=r"^optim\._target_: target .* is not allowed"):
         validate(compose([f"optim._target_={target}"]))
@@ -65,11 +66,14 @@ def test_target_check_runs_before_import(compose, monkeypatch):
     assert "evilpkg_never_imported" not in calls
 
 
-@pytest.mark.parametrize("overrides,pattern", [
-    (["model=nope"], r"Could not find 'model/nope'; available: .*songunet_tiny"),
-    (["trainer.foo=1"], r"Could not override 'trainer\.foo'.*prefix with \+"),
-    (["trainer.max_steps=[1"], r"^bad override syntax"),
-])
+@pytest.mark.parametrize(
+    "overrides,pattern",
+    [
+        (["model=nope"], r"Could not find 'model/nope'; available: .*songunet_tiny"),
+        (["trainer.foo=1"], r"Could not override 'trainer\.foo'.*prefix with \+"),
+        (["trainer.max_steps=[1"], r"^bad override syntax"),
+    ],
+)
 def test_composition_errors_are_config_errors(compose, overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         compose(overrides)

@@ -4,8 +4,15 @@ import pytest
 
 from framework.distributed.env import DistEnv, detect
 
-SLURM = {"SLURM_JOB_ID": "4321", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-         "SLURM_JOB_NODELIST": "gpu[07-08,11]", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "3"}
+SLURM = {
+    "SLURM_JOB_ID": "4321",
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_NODELIST": "gpu[07-08,11]",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NUM_NODES": "3",
+}
 
 
 @pytest.fixture
@@ -49,8 +56,7 @@ def test_jobs_of_one_sweep_get_different_ports(clean):
 
     ports = set()
     for job_id, task in (("101", "0"), ("102", "1")):  # an array: one base id, one SLURM_JOB_ID each
-        for k, v in {**SLURM, "SLURM_JOB_ID": job_id, "SLURM_ARRAY_JOB_ID": "100",
-                     "SLURM_ARRAY_TASK_ID": task}.items():
+        for k, v in {**SLURM, "SLURM_JOB_ID": job_id, "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": task}.items():
             clean.setenv(k, v)
         clean.delenv("MASTER_PORT", raising=False)
         detect()

@@ -14,8 +14,17 @@ EXTRA = ["device=cuda", "data.grid=[32,32]", "data.hours_per_year=64", "data.bat
 
 
 def test_main_job_on_one_gpu(tmp_path):
-    proc = run_cli(["device=cuda", "trainer.max_steps=60", "trainer.val_every=60", f"hydra.run.dir={tmp_path / 'r'}",
-                    f"data.root={tmp_path / 'data'}", "precision=bf16"], cwd=tmp_path)
+    proc = run_cli(
+        [
+            "device=cuda",
+            "trainer.max_steps=60",
+            "trainer.val_every=60",
+            f"hydra.run.dir={tmp_path / 'r'}",
+            f"data.root={tmp_path / 'data'}",
+            "precision=bf16",
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read(tmp_path / "r" / "metrics.jsonl", "train")
     assert rows[-1]["loss"] < rows[0]["loss"]
@@ -27,11 +36,17 @@ def reference(tmp_path_factory):
     return layout_reference(tmp_path_factory, "gpu_parity", EXTRA)
 
 
-@pytest.mark.parametrize("layout,nproc", [
-    (["parallel=ddp"], 2), (["parallel=fsdp2"], 2), (["parallel=hsdp"], 4),
-    (["parallel=fsdp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"], 2),
-    (["parallel=domain"], 2), (["parallel=fsdp2_domain"], 2),
-])
+@pytest.mark.parametrize(
+    "layout,nproc",
+    [
+        (["parallel=ddp"], 2),
+        (["parallel=fsdp2"], 2),
+        (["parallel=hsdp"], 4),
+        (["parallel=fsdp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"], 2),
+        (["parallel=domain"], 2),
+        (["parallel=fsdp2_domain"], 2),
+    ],
+)
 def test_nccl_layout_matches_one_gpu(reference, layout, nproc):
     if GPUS < nproc:
         pytest.skip(f"needs {nproc} GPUs, {GPUS} here")

@@ -18,12 +18,15 @@ def reference(tmp_path_factory):
     return layout_reference(tmp_path_factory, "parity", EXTRA)
 
 
-@pytest.mark.parametrize("layout,nproc", [
-    (["parallel=ddp"], 2),
-    (["parallel=fsdp2"], 2),
-    (["parallel=hsdp"], 4),
-    (["parallel=fsdp2", "trainer.grad_accum=2", "sharding.reshard_after_forward=never"], 2),
-])
+@pytest.mark.parametrize(
+    "layout,nproc",
+    [
+        (["parallel=ddp"], 2),
+        (["parallel=fsdp2"], 2),
+        (["parallel=hsdp"], 4),
+        (["parallel=fsdp2", "trainer.grad_accum=2", "sharding.reshard_after_forward=never"], 2),
+    ],
+)
 def test_layout_logs_the_losses_of_one_process(reference, layout, nproc):
     tmp, extra, ref = reference
     losses = run_layout(layout, nproc, tmp / "_".join(layout).replace("=", "-"), 5, extra)
@@ -33,8 +36,22 @@ def test_layout_logs_the_losses_of_one_process(reference, layout, nproc):
 
 def test_loss_compare_script_reports_and_exits_zero(reference):
     tmp, extra, _ = reference
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "loss_compare.py"), "--b", "parallel=fsdp2",
-                           "--nproc-b", "2", "--steps", "3", "--", *extra], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "loss_compare.py"),
+            "--b",
+            "parallel=fsdp2",
+            "--nproc-b",
+            "2",
+            "--steps",
+            "3",
+            "--",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "max relative difference" in proc.stdout and "within rtol" in proc.stdout
 
@@ -46,24 +63,54 @@ def test_start_up_report_and_sharded_parameter_bytes(reference):
     assert "mesh: dp_replicate=1 x dp_shard=2 x domain=1 (parallel=fsdp2, sharding=fsdp2" in log
     assert "FSDP2 units" in log and "block0 (reshard=True)" in log and "<root> (reshard=False)" in log
     run_layout(["parallel=none"], 1, tmp / "report1", 1, extra)
-    mb = [float(f.read_text().split("M; ")[1].split(" MB")[0]) for f in
-          (tmp / "report" / "framework.log", tmp / "report1" / "framework.log")]
+    mb = [
+        float(f.read_text().split("M; ")[1].split(" MB")[0])
+        for f in (tmp / "report" / "framework.log", tmp / "report1" / "framework.log")
+    ]
     assert mb[0] == pytest.approx(mb[1] / 2, rel=0.1)  # each of 2 ranks holds about half (dim-0 padding)
 
 
 def test_unsynchronised_replicas_are_refused(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "framework", "parallel=none", f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "framework",
+            "parallel=none",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode != 0 and errors
     assert all("sharding=none on 2 ranks would train 2 unsynchronised replicas" in ln for ln in errors)
 
 
 def test_degrees_that_do_not_match_the_world_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "framework", "parallel=fsdp2", "parallel.domain=3", "splitter=off",
-                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "framework",
+            "parallel=fsdp2",
+            "parallel.domain=3",
+            "splitter=off",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 2 and all("cannot fill 2 ranks" in ln for ln in errors)  # one line per rank

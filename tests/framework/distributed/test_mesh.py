@@ -5,14 +5,17 @@ from framework.distributed.mesh import Degrees, resolve
 from framework.errors import ConfigError
 
 
-@pytest.mark.parametrize("cfg,world,expected", [
-    (dict(), 4, (1, 4, 1)),
-    (dict(dp_replicate=2), 4, (2, 2, 1)),
-    (dict(domain=2), 8, (1, 4, 2)),
-    (dict(dp_replicate=2, domain=2), 8, (2, 2, 2)),
-    (dict(dp_shard=1, domain=-1), 4, (1, 1, 4)),
-    (dict(), 1, (1, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "cfg,world,expected",
+    [
+        (dict(), 4, (1, 4, 1)),
+        (dict(dp_replicate=2), 4, (2, 2, 1)),
+        (dict(domain=2), 8, (1, 4, 2)),
+        (dict(dp_replicate=2, domain=2), 8, (2, 2, 2)),
+        (dict(dp_shard=1, domain=-1), 4, (1, 1, 4)),
+        (dict(), 1, (1, 1, 1)),
+    ],
+)
 def test_resolve_fills_the_free_axis(cfg, world, expected):
     assert resolve(ParallelConfig(**cfg), world) == Degrees(*expected)
 

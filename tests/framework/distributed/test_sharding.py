@@ -16,8 +16,17 @@ def _model():
     from recipes.stormcast.songunet import SongUNet
 
     torch.manual_seed(0)
-    m = SongUNet((16, 16), 5, 3, model_channels=8, channel_mult=[1, 2], num_blocks=1, attn_resolutions=[8],
-                 dropout=0.0, embedding_type="zero")
+    m = SongUNet(
+        (16, 16),
+        5,
+        3,
+        model_channels=8,
+        channel_mult=[1, 2],
+        num_blocks=1,
+        attn_resolutions=[8],
+        dropout=0.0,
+        embedding_type="zero",
+    )
     for p in m.parameters():  # the zero-initialised output conv would hide gradient errors
         torch.nn.init.normal_(p, std=0.05)
     return m
@@ -38,9 +47,9 @@ def _reference():
 
 
 def _check(rank, world, sharding, dp_replicate, channels_last):
-    from framework.config.schema import ParallelConfig, ShardingConfig
-    from framework.distributed import mesh, precision, sharding as policies
-    from framework.config.schema import PrecisionConfig
+    from framework.config.schema import ParallelConfig, PrecisionConfig, ShardingConfig
+    from framework.distributed import mesh, precision
+    from framework.distributed import sharding as policies
 
     ref_out, ref_grads, ref_norm = _reference()
     degrees = mesh.resolve(ParallelConfig(dp_replicate=dp_replicate), world)
@@ -50,8 +59,9 @@ def _check(rank, world, sharding, dp_replicate, channels_last):
         model = model.to(memory_format=torch.channels_last)
         assert not all(p.is_contiguous() for p in model.parameters())
     prec = precision.build(PrecisionConfig(name="fp32"), torch.device("cpu"))
-    sharded = policies.__dict__[sharding](model, ShardingConfig(name=sharding), topology=topo, precision=prec,
-                                          device=torch.device("cpu"))
+    sharded = policies.__dict__[sharding](
+        model, ShardingConfig(name=sharding), topology=topo, precision=prec, device=torch.device("cpu")
+    )
     if sharding == "fsdp2":
         assert any("block" in u for u in sharded.units) and sharded.units[-1].startswith("<root>")
     x, y = _data()
@@ -71,12 +81,15 @@ def _check(rank, world, sharding, dp_replicate, channels_last):
         torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"gradient of {n}")
 
 
-@pytest.mark.parametrize("sharding,world,dp_replicate,channels_last", [
-    ("fsdp2", 2, 1, False),
-    ("fsdp2", 2, 1, True),  # channels_last weights are made contiguous before fully_shard
-    ("ddp", 2, 1, False),
-    ("fsdp2", 4, 2, True),  # HSDP: 2 replicas x 2 shards
-])
+@pytest.mark.parametrize(
+    "sharding,world,dp_replicate,channels_last",
+    [
+        ("fsdp2", 2, 1, False),
+        ("fsdp2", 2, 1, True),  # channels_last weights are made contiguous before fully_shard
+        ("ddp", 2, 1, False),
+        ("fsdp2", 4, 2, True),  # HSDP: 2 replicas x 2 shards
+    ],
+)
 def test_policy_matches_single_device(sharding, world, dp_replicate, channels_last):
     spawn(_check, world, sharding, dp_replicate, channels_last)
 

@@ -59,8 +59,19 @@ def summed_grad(p: torch.Tensor, dg: DomainGroup) -> torch.Tensor:
     return g
 
 
-def compare_split(name: str, module: torch.nn.Module, dg: DomainGroup, x: torch.Tensor, *, split_fn,
-                  scale: float = 1, args=(), kwargs=None, seed: int = 0, tol=TOL) -> None:
+def compare_split(
+    name: str,
+    module: torch.nn.Module,
+    dg: DomainGroup,
+    x: torch.Tensor,
+    *,
+    split_fn,
+    scale: float = 1,
+    args=(),
+    kwargs=None,
+    seed: int = 0,
+    tol=TOL,
+) -> None:
     """``module`` on the whole ``x`` against ``split_fn(deepcopy(module), dg)`` on this rank's rows.
 
     Checks the output rows, the input gradient rows, the gradients of replicated tensor
@@ -73,30 +84,33 @@ def compare_split(name: str, module: torch.nn.Module, dg: DomainGroup, x: torch.
 
     ref = copy.deepcopy(module)
     xf = x.detach().clone().requires_grad_()
-    ref_args = [a.detach().clone().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
-                for a in args]
+    ref_args = [
+        a.detach().clone().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args
+    ]
     out = ref(xf, *ref_args, **kwargs)
     gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
     (out * gout).sum().backward()
 
     dom = split_fn(copy.deepcopy(module), dg)
     xl = band(x, ext, r).detach().clone().requires_grad_()
-    dom_args = [a.detach().clone().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
-                for a in args]
+    dom_args = [
+        a.detach().clone().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args
+    ]
     yl = dom(xl, *dom_args, **kwargs)
     torch.testing.assert_close(yl, band(out, ext, r, scale), **tol, msg=lambda m: f"{where}: output: {m}")
     (yl * band(gout, ext, r, scale)).sum().backward()
-    torch.testing.assert_close(xl.grad, band(xf.grad, ext, r), **tol,
-                               msg=lambda m: f"{where}: input gradient: {m}")
+    torch.testing.assert_close(xl.grad, band(xf.grad, ext, r), **tol, msg=lambda m: f"{where}: input gradient: {m}")
     for i, (a, b) in enumerate(zip(dom_args, ref_args)):
         if torch.is_tensor(a) and a.requires_grad:
-            torch.testing.assert_close(summed_grad(a, dg), b.grad, **tol,
-                                       msg=lambda m: f"{where}: gradient of argument {i}: {m}")
+            torch.testing.assert_close(
+                summed_grad(a, dg), b.grad, **tol, msg=lambda m: f"{where}: gradient of argument {i}: {m}"
+            )
     ref_params = dict(ref.named_parameters())
     dom_params = dict(dom.named_parameters())
     assert dom_params.keys() == ref_params.keys(), where
     for pname, p in dom_params.items():
         want = ref_params[pname].grad
         want = torch.zeros_like(p) if want is None else want
-        torch.testing.assert_close(summed_grad(p, dg), want, **tol,
-                                   msg=lambda m: f"{where}: gradient of {pname} (summed over ranks): {m}")
+        torch.testing.assert_close(
+            summed_grad(p, dg), want, **tol, msg=lambda m: f"{where}: gradient of {pname} (summed over ranks): {m}"
+        )

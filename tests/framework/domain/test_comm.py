@@ -11,19 +11,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from framework.domain.comm import DomainGroup, all_reduce_sum, gather_rows, halo_exchange
+from framework.domain.comm import DomainGroup, all_reduce_sum, gather_rows, halo_exchange, split_extents
+from framework.errors import ConfigError
 from tests.framework.domain.helpers import band, for_each_group
 from tests.multiproc import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
 EXACT = dict(rtol=1e-12, atol=1e-12)
-HALO_SPLITS = {2: {"even": [8, 8], "uneven": [11, 5], "tight": [2, 2]},
-               4: {"even": [4, 4, 4, 4], "uneven": [5, 2, 3, 6], "tight": [2, 2, 2, 2]}}
+HALO_SPLITS = {
+    2: {"even": [8, 8], "uneven": [11, 5], "tight": [2, 2]},
+    4: {"even": [4, 4, 4, 4], "uneven": [5, 2, 3, 6], "tight": [2, 2, 2, 2]},
+}
 
 
 def _check_halo(group, world, rank):
-    for kind, extents in HALO_SPLITS[world].items():
+    for _kind, extents in HALO_SPLITS[world].items():
         dg = DomainGroup(group, extents)
         for halo in (1, 2):
             for dim in (2, 3):
@@ -36,22 +39,27 @@ def _check_halo(group, world, rank):
                 xf = full.clone().requires_grad_()
                 padded = F.pad(xf, pad)
                 outs = [padded.narrow(dim, sum(extents[:r]), extents[r] + 2 * halo) for r in range(world)]
-                grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(100 + r))
-                         for r, o in enumerate(outs)]
+                grads = [
+                    torch.randn(o.shape, generator=torch.Generator().manual_seed(100 + r)) for r, o in enumerate(outs)
+                ]
                 sum((o * g).sum() for o, g in zip(outs, grads)).backward()
 
                 xl = band(full, extents, rank, dim=dim).clone().requires_grad_()
                 y = halo_exchange(xl, halo, dg, dim=dim)
                 assert torch.equal(y, outs[rank].detach()), f"{where}: forward"
                 (y * grads[rank]).sum().backward()
-                torch.testing.assert_close(xl.grad, band(xf.grad, extents, rank, dim=dim), **EXACT,
-                                           msg=lambda m: f"{where}: backward: {m}")
+                torch.testing.assert_close(
+                    xl.grad, band(xf.grad, extents, rank, dim=dim), **EXACT, msg=lambda m: f"{where}: backward: {m}"
+                )
 
     # halo 0 is the identity; a band thinner than the halo is a clear error on every rank
     x = torch.randn(1, 1, 3, 2)
     assert halo_exchange(x, 0, DomainGroup(group, [3] * world)) is x
-    with pytest.raises(ValueError, match=r"a domain rank holds 1 rows but the layer needs a halo of 2: use "
-                                         "fewer domain ranks or a larger grid"):
+    with pytest.raises(
+        ValueError,
+        match=r"a domain rank holds 1 rows but the layer needs a halo of 2: use "
+        "fewer domain ranks or a larger grid",
+    ):
         halo_exchange(torch.randn(1, 1, 1, 2), 2, DomainGroup(group, [1] * world))
 
 
@@ -108,3 +116,59 @@ def test_extents_at_coarser_levels():
         dg.rank = rank
         local = dg.extents[rank] // 4
         assert dg.extents_like(local) == want and dg.offset_like(local) == sum(want[:rank])
+
+
+# ------------------------------------------------------------------ split_extents
+
+
+@pytest.mark.parametrize(
+    "rows,parts,multiple,expected",
+    [
+        (16, 2, 1, [8, 8]),
+        (16, 4, 1, [4, 4, 4, 4]),
+        (10, 4, 1, [3, 3, 2, 2]),  # uneven: the first ranks take the remainder
+        (7, 7, 1, [1] * 7),
+        (64, 4, 16, [16, 16, 16, 16]),
+        (48, 2, 16, [32, 16]),
+        (80, 3, 16, [32, 32, 16]),
+        (20, 4, 4, [8, 4, 4, 4]),
+        (512, 2, 16, [256, 256]),
+        (16, 1, 16, [16]),
+    ],
+)
+def test_split_extents(rows, parts, multiple, expected):
+    assert split_extents(rows, parts, multiple) == expected
+
+
+def test_split_extents_are_multiples_as_even_as_possible():
+    for multiple in (1, 2, 4, 8, 16):
+        for units in range(1, 13):
+            rows = units * multiple
+            for parts in range(1, units + 1):
+                ext = split_extents(rows, parts, multiple)
+                assert len(ext) == parts and sum(ext) == rows
+                assert all(e > 0 and e % multiple == 0 for e in ext)
+                assert max(ext) - min(ext) <= multiple  # as even as the multiple allows
+                assert ext == sorted(ext, reverse=True)
+
+
+def test_rows_not_a_multiple_of_the_downsampling_name_the_numbers():
+    with pytest.raises(ConfigError, match=r"data\.grid: 50 rows are not a multiple of 16"):
+        split_extents(50, 2, 16)
+
+
+def test_split_extents_is_still_importable_from_its_old_module():
+    from framework.domain import shard_tensor
+
+    assert shard_tensor.split_extents is split_extents
+
+
+def test_too_many_ranks_name_the_numbers():
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel\.domain: 32 rows cannot be split over 3 domain ranks in "
+        r"multiples of 16 \(at most 2 ranks\)",
+    ):
+        split_extents(32, 3, 16)
+    with pytest.raises(ConfigError, match=r"5 rows cannot be split over 8 domain ranks .*at most 5"):
+        split_extents(5, 8)

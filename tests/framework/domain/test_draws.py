@@ -38,8 +38,8 @@ def _py_field_value(key, index: int) -> float:
     def bits(stream):
         return _py_mix(_py_mix(index ^ k) ^ _py_fold(k, stream))
 
-    u1 = ((bits(1) >> 8) + 0.5) / 2 ** 24
-    u2 = ((bits(2) >> 8) + 0.5) / 2 ** 24
+    u1 = ((bits(1) >> 8) + 0.5) / 2**24
+    u2 = ((bits(2) >> 8) + 0.5) / 2**24
     return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
 
 
@@ -70,18 +70,18 @@ def test_tensor_hash_equals_the_unbounded_integer_hash():
 
 
 def test_fold_matches_reference_and_counts_64_bit_ints_whole():
-    for key in [(0,), (1,), (2 ** 40,), (3, 7, 11), (M32, 2 ** 63 - 1)]:
+    for key in [(0,), (1,), (2**40,), (3, 7, 11), (M32, 2**63 - 1)]:
         assert draws.fold(*key) == _py_fold(*key)
     # Keys that differ only above bit 32 must fold apart (a large seed is not its low word).
     base = 123456789
     folded = {draws.fold(base + (j << 32)) for j in range(64)}
     assert len(folded) == 64
     assert draws.fold(1 << 40) != draws.fold(1 << 41) != draws.fold(0)
-    assert draws.fold(2 ** 63 - 1) != draws.fold(2 ** 32 - 1)
+    assert draws.fold(2**63 - 1) != draws.fold(2**32 - 1)
     # Order and length of the tuple count.
     assert draws.fold(1, 2) != draws.fold(2, 1)
     assert draws.fold(5) != draws.fold(5, 0)
-    assert all(0 <= draws.fold(*k) <= M32 for k in [(0,), (2 ** 63 - 1,), (1, 2, 3)])
+    assert all(0 <= draws.fold(*k) <= M32 for k in [(0,), (2**63 - 1,), (1, 2, 3)])
 
 
 # -- field_normal: splits ----------------------------------------------------------------------
@@ -107,7 +107,7 @@ def test_band_near_the_32_bit_index_limit_matches_the_recipe():
 @pytest.mark.parametrize("bounds", [[0, 16, 32], [0, 10, 23, 24, 37], [0, 1, 36, 37], [0, 37]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_row_bands_equal_the_rows_of_the_full_field_bitwise(bounds, dtype):
-    keys = [0, (1, 2), 2 ** 40 + 5]
+    keys = [0, (1, 2), 2**40 + 5]
     rows, shape = bounds[-1], (3, bounds[-1], 11)
     full = draws.field_normal(keys, shape, dtype=dtype)
     parts = []
@@ -177,7 +177,7 @@ def test_key_forms_int_tuple_list_and_tensor():
 
 def test_different_keys_give_different_uncorrelated_fields():
     # Neighbouring keys, as (seed, step, sample) tuples: no shared values and no correlation.
-    keys = [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), 0, 1, 2 ** 32, 2 ** 32 + 1]
+    keys = [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), 0, 1, 2**32, 2**32 + 1]
     f = draws.field_normal(keys, (128, 128), dtype=torch.float64)
     n = f[0].numel()
     for i in range(len(keys)):
@@ -197,8 +197,8 @@ def test_large_field_moments(big_field):
     n = z.numel()
     assert abs(float(z.mean())) < 5 / math.sqrt(n)
     assert abs(float(z.std()) - 1) < 5 / math.sqrt(2 * n)
-    assert abs(float((z ** 3).mean())) < 5 * math.sqrt(15 / n)  # skewness, var(z^3) = 15
-    assert abs(float((z ** 4).mean()) - 3) < 5 * math.sqrt(96 / n)  # kurtosis, var(z^4) = 96
+    assert abs(float((z**3).mean())) < 5 * math.sqrt(15 / n)  # skewness, var(z^3) = 15
+    assert abs(float((z**4).mean()) - 3) < 5 * math.sqrt(96 / n)  # kurtosis, var(z^4) = 96
 
 
 def test_large_field_is_normal_in_distribution(big_field):
@@ -255,11 +255,11 @@ def test_uniform_is_in_the_open_unit_interval_and_uniform():
 
 def test_uniform_extremes_of_the_24_bit_grid_are_not_0_or_1():
     u = draws._uniform(torch.tensor([0, 255, M32], dtype=torch.int64))
-    assert u.tolist() == [0.5 / 2 ** 24, 0.5 / 2 ** 24, 1 - 0.5 / 2 ** 24]
+    assert u.tolist() == [0.5 / 2**24, 0.5 / 2**24, 1 - 0.5 / 2**24]
 
 
 def test_uniform_and_normal_are_keyed_and_reproducible():
-    keys = [3, (1, 2), 2 ** 50]
+    keys = [3, (1, 2), 2**50]
     assert torch.equal(draws.uniform(keys), draws.uniform(list(keys)))
     assert torch.equal(draws.normal(keys), draws.normal(keys))
     assert draws.uniform([5]).item() == draws.uniform([(5,)]).item()
@@ -283,14 +283,17 @@ def test_normal_moments_and_independence_from_uniform():
 
 
 # -- errors ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,offset,full,dim", [
-    ((2, 8, 4), -1, 16, -2),
-    ((2, 8, 4), 9, 16, -2),
-    ((2, 8, 4), 0, 7, -2),
-    ((2, 8, 4), 1, 4, -1),
-    ((3, 8, 4), 2, 4, 0),
-    ((2, 8, 4), 1, None, -2),  # no full_rows: the shape is the whole field, no offset possible
-])
+@pytest.mark.parametrize(
+    "shape,offset,full,dim",
+    [
+        ((2, 8, 4), -1, 16, -2),
+        ((2, 8, 4), 9, 16, -2),
+        ((2, 8, 4), 0, 7, -2),
+        ((2, 8, 4), 1, 4, -1),
+        ((3, 8, 4), 2, 4, 0),
+        ((2, 8, 4), 1, None, -2),  # no full_rows: the shape is the whole field, no offset possible
+    ],
+)
 def test_rows_outside_the_field_raise(shape, offset, full, dim):
     with pytest.raises(ValueError, match="outside"):
         draws.field_normal([0], shape, row_offset=offset, full_rows=full, dim=dim)

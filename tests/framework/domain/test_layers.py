@@ -1,5 +1,5 @@
-"""The framework's domain-parallel layers (framework/domain/layers.py) and the splitter's
-torch rules (nn.Conv2d, nn.GroupNorm) against their single-device twins on gloo ranks.
+"""The framework's domain-parallel layers (framework/domain/layers.py) and the torch plan's
+rules (``TORCH_PLAN``: nn.Conv2d, nn.GroupNorm) against their single-device twins on gloo ranks.
 
 Outputs, input gradients and parameter gradients summed over the domain ranks match to
 1e-6 in float64 (and 1e-5 in float32) for even and uneven row splits on 2 and 4 ranks.
@@ -16,15 +16,24 @@ from torch import nn
 
 from framework.domain.comm import DomainGroup
 from framework.domain.layers import GroupNormMixin, RowSliceMixin, gathered_attention
-from framework.domain.splitter import split, swap_class
+from framework.domain.splitter import TORCH_PLAN, swap_class
+from framework.domain.splitter import split as split_by
 from tests.framework.domain.helpers import band, compare_split, for_each_group, randomize
 from tests.multiproc import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
+
+def split(model, dg):
+    """Split by the torch plan."""
+    return split_by(model, dg, TORCH_PLAN)
+
+
 H, W, B = 16, 5, 2
-SPLITS = {2: {"even": [8, 8], "uneven": [11, 5], "thin": [14, 2]},
-          4: {"even": [4, 4, 4, 4], "uneven": [6, 2, 5, 3], "thin": [2, 2, 2, 10]}}
+SPLITS = {
+    2: {"even": [8, 8], "uneven": [11, 5], "thin": [14, 2]},
+    4: {"even": [4, 4, 4, 4], "uneven": [6, 2, 5, 3], "thin": [2, 2, 2, 10]},
+}
 
 
 class Field(nn.Module):
@@ -56,8 +65,13 @@ def _torch_cases():
         ("nn.Conv2d 3x3 grouped", lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), 4),
         ("nn.GroupNorm", lambda: nn.GroupNorm(2, 8, eps=1e-6), 8),
         ("nn.GroupNorm without affine", lambda: nn.GroupNorm(4, 8, affine=False), 8),
-        ("nn.Sequential conv-GN-SiLU-conv", lambda: nn.Sequential(
-            nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1)), 4),
+        (
+            "nn.Sequential conv-GN-SiLU-conv",
+            lambda: nn.Sequential(
+                nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1)
+            ),
+            4,
+        ),
     ]
 
 
@@ -65,7 +79,7 @@ def _check_layers(group, world, rank):
     for kind, extents in SPLITS[world].items():
         dg = DomainGroup(group, extents)
         for i, (name, make, cin) in enumerate(_torch_cases()):
-            for dtype, tol in DTYPES[:2 if kind == "uneven" else 1]:  # float32 on one split (time)
+            for dtype, tol in DTYPES[: 2 if kind == "uneven" else 1]:  # float32 on one split (time)
                 if kind == "thin" and name == "nn.Conv2d 5x5 (halo 2)" and min(extents) < 2:
                     continue
                 torch.manual_seed(i)
@@ -81,8 +95,7 @@ def _check_layers(group, world, rank):
             ref = Field(3, H // 2)
             dom = _row_slice(copy.deepcopy(ref), dg)
             half = [e // 2 for e in extents]
-            torch.testing.assert_close(dom(band(coarse, half, rank)), band(ref(coarse), half, rank), rtol=0,
-                                       atol=0)
+            torch.testing.assert_close(dom(band(coarse, half, rank)), band(ref(coarse), half, rank), rtol=0, atol=0)
 
         _check_gathered_attention(dg, world, rank)
 
@@ -92,8 +105,7 @@ def _check_gathered_attention(dg, world, rank):
     extents = dg.extents
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(B, 2, 3, H, W, generator=g) for _ in range(3))
-    gouts = [torch.randn(B, 2, 3, e, W, generator=torch.Generator().manual_seed(20 + r))
-             for r, e in enumerate(extents)]
+    gouts = [torch.randn(B, 2, 3, e, W, generator=torch.Generator().manual_seed(20 + r)) for r, e in enumerate(extents)]
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     flat = lambda t: t.reshape(B, 2, 3, -1).transpose(-1, -2)  # noqa: E731
     ref = F.scaled_dot_product_attention(*map(flat, full)).transpose(-1, -2).reshape(B, 2, 3, H, W)
@@ -102,12 +114,18 @@ def _check_gathered_attention(dg, world, rank):
     local = [band(t, extents, rank, dim=3).clone().requires_grad_() for t in (q, k, v)]
     out = gathered_attention(*local, dg)
     where = f"gathered_attention {extents}, rank {rank}"
-    torch.testing.assert_close(out, band(ref, extents, rank, dim=3), rtol=1e-10, atol=1e-10,
-                               msg=lambda m: f"{where}: output: {m}")
+    torch.testing.assert_close(
+        out, band(ref, extents, rank, dim=3), rtol=1e-10, atol=1e-10, msg=lambda m: f"{where}: output: {m}"
+    )
     (out * gouts[rank]).sum().backward()
     for name, a, b in zip("qkv", local, full):
-        torch.testing.assert_close(a.grad, band(b.grad, extents, rank, dim=3), rtol=1e-10, atol=1e-10,
-                                   msg=lambda m: f"{where}: gradient of {name}: {m}")
+        torch.testing.assert_close(
+            a.grad,
+            band(b.grad, extents, rank, dim=3),
+            rtol=1e-10,
+            atol=1e-10,
+            msg=lambda m: f"{where}: gradient of {name}: {m}",
+        )
 
 
 def _ranks(rank, world):

@@ -22,20 +22,35 @@ STEPS = 5
 # channel_mult [1, 2, 2]: rows split in multiples of 4; over 2 domain ranks 24 rows (6 units)
 # split evenly 12/12 and 20 rows (5 units) unevenly 12/8. Attention at a level (12 or 10
 # rows) and at the bottleneck, additive_pos_embed.
-MODEL = ["data.hours_per_year=48", "data.batch_size=4", "model.model_channels=8", "model.channel_mult=[1,2,2]",
-         "model.additive_pos_embed=true"]
+MODEL = [
+    "data.hours_per_year=48",
+    "data.batch_size=4",
+    "model.model_channels=8",
+    "model.channel_mult=[1,2,2]",
+    "model.additive_pos_embed=true",
+]
 
 
 def grid(rows: int, tmp: Path) -> list[str]:
     return [f"data.grid=[{rows},16]", f"model.attn_resolutions=[{rows // 2}]", f"data.root={tmp / f'data{rows}'}"]
-COMMON = ["deterministic=true", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
-          f"trainer.val_every={STEPS}", "trainer.val_batches=1", "trainer.progress=false",
-          "checkpoint=torch_save", "checkpoint.every=3"]
+
+
+COMMON = [
+    "deterministic=true",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every=1",
+    f"trainer.val_every={STEPS}",
+    "trainer.val_batches=1",
+    "trainer.progress=false",
+    "checkpoint=torch_save",
+    "checkpoint.every=3",
+]
 
 
 def launch(overrides: list[str], nproc: int, run_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
-    return run_cli([*overrides, f"hydra.run.dir={run_dir}"], cwd, env={"OMP_NUM_THREADS": "1"}, timeout=300,
-                   nproc=nproc)
+    return run_cli(
+        [*overrides, f"hydra.run.dir={run_dir}"], cwd, env={"OMP_NUM_THREADS": "1"}, timeout=300, nproc=nproc
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +78,21 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in rows]
 
 
-@pytest.mark.parametrize("layout,nproc,rows,mesh", [
-    (["parallel=domain"], 2, 20, "dp_replicate=1 x dp_shard=1 x domain=2"),
-    (["parallel=fsdp2_domain"], 2, 24, "dp_replicate=1 x dp_shard=1 x domain=2"),
-    (["parallel=fsdp2_domain"], 4, 20, "dp_replicate=1 x dp_shard=2 x domain=2"),
-], ids=["domain-x2-uneven-12/8", "fsdp2_domain-1x2-even-12/12", "fsdp2_domain-2x2-uneven-12/8"])
+@pytest.mark.parametrize(
+    "layout,nproc,rows,mesh",
+    [
+        (["parallel=domain"], 2, 20, "dp_replicate=1 x dp_shard=1 x domain=2"),
+        (["parallel=fsdp2_domain"], 2, 24, "dp_replicate=1 x dp_shard=1 x domain=2"),
+        (["parallel=fsdp2_domain"], 4, 20, "dp_replicate=1 x dp_shard=2 x domain=2"),
+    ],
+    ids=["domain-x2-uneven-12/8", "fsdp2_domain-1x2-even-12/12", "fsdp2_domain-2x2-uneven-12/8"],
+)
 def test_layout_logs_the_losses_of_one_process(runs, layout, nproc, rows, mesh):
     ref_dir, run_dir = runs(["parallel=none"], 1, rows), runs(layout, nproc, rows)
     ref, got = losses(ref_dir), losses(run_dir)
     assert compare(ref, got) <= 1e-5, (ref, got)
     log = (run_dir / "framework.log").read_text()
-    assert f"mesh: {mesh} (" in log and "splitter=shard_tensor" in log, log[:2000]
+    assert f"mesh: {mesh} (" in log and "splitter=rows" in log, log[:2000]
     # validation on the gathered rows: the same metrics as one process
     ref_val, val = read(ref_dir / "metrics.jsonl", "val"), read(run_dir / "metrics.jsonl", "val")
     assert [r["step"] for r in val] == [STEPS]
@@ -89,8 +108,12 @@ def test_fsdp2_domain_checkpoint_resumes_under_parallel_none(runs):
     assert {r["split"] for r in read(run_dir / "metrics.jsonl")} == {"train", "val"}
 
     resumed = runs.tmp / "resumed"
-    proc = launch(["parallel=none", *COMMON, *MODEL, *grid(24, runs.tmp),
-                   f"checkpoint.resume={ckpts / 'step_00000003'}"], 1, resumed, runs.tmp)
+    proc = launch(
+        ["parallel=none", *COMMON, *MODEL, *grid(24, runs.tmp), f"checkpoint.resume={ckpts / 'step_00000003'}"],
+        1,
+        resumed,
+        runs.tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in (resumed / "framework.log").read_text()
     rows = read(resumed / "metrics.jsonl", "train")

@@ -12,8 +12,9 @@ def _runs(run_dir):
 
 
 def test_offline_run_logs_config_and_resumes_the_same_run(tmp_path):
-    over = tiny_overrides(tmp_path, tmp_path / "data", logger="wandb", **{"logger.project": "tests",
-                                                                         "trainer.max_steps": 3})
+    over = tiny_overrides(
+        tmp_path, tmp_path / "data", logger="wandb", **{"logger.project": "tests", "trainer.max_steps": 3}
+    )
     proc = run_cli(over, cwd=tmp_path, env={"WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "run"
@@ -23,8 +24,9 @@ def test_offline_run_logs_config_and_resumes_the_same_run(tmp_path):
     assert (first[0] / f"run-{run_id}.wandb").is_file()
 
     # Resume the same run dir with more steps: the checkpoint carries the run id.
-    over = tiny_overrides(tmp_path, tmp_path / "data", logger="wandb", **{"logger.project": "tests",
-                                                                         "trainer.max_steps": 6})
+    over = tiny_overrides(
+        tmp_path, tmp_path / "data", logger="wandb", **{"logger.project": "tests", "trainer.max_steps": 6}
+    )
     proc = run_cli(over, cwd=tmp_path, env={"WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = {p.name.rsplit("-", 1)[-1] for p in _runs(run_dir)}
@@ -49,4 +51,6 @@ def test_wandb_logger_without_wandb_is_one_clear_line(tmp_path):
     over = tiny_overrides(tmp_path, tmp_path / "data", **{"trainer.max_steps": 1, "checkpoint": "none"})
     proc = run_cli(over + ["logger=wandb"], cwd=tmp_path, env=_without_wandb(tmp_path))
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == "error: logger=wandb needs the wandb package: pip install -e '.[wandb]'"
+    assert (
+        proc.stderr.strip().splitlines()[-1] == "error: logger=wandb needs the wandb package: pip install -e '.[wandb]'"
+    )

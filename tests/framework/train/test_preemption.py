@@ -17,17 +17,39 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def _overrides(tmp_path, run, **extra):
-    return tiny_overrides(tmp_path, tmp_path / "data", deterministic="true",
-                          **{"hydra.run.dir": str(tmp_path / run), "trainer.max_steps": 40, "trainer.val_every": 0,
-                             "checkpoint.every": 1000, "data.hours_per_year": 96, **extra})
+    return tiny_overrides(
+        tmp_path,
+        tmp_path / "data",
+        deterministic="true",
+        **{
+            "hydra.run.dir": str(tmp_path / run),
+            "trainer.max_steps": 40,
+            "trainer.val_every": 0,
+            "checkpoint.every": 1000,
+            "data.hours_per_year": 96,
+            **extra,
+        },
+    )
 
 
 def _launch(args, nproc, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "framework"] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "framework"]
-    return subprocess.Popen([*cmd, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = (
+        [sys.executable, "-m", "framework"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "framework",
+        ]
+    )
+    return subprocess.Popen(
+        [*cmd, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _wait_for_step(metrics, step, proc, timeout=240):
@@ -82,7 +104,7 @@ def test_a_previous_handler_runs_after_the_checkpoint(monkeypatch):
 
     seen = []
     originals = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
-    monkeypatch.setattr(signal, "getsignal", lambda s: (lambda signum, frame: seen.append(signum)))
+    monkeypatch.setattr(signal, "getsignal", lambda s: lambda signum, frame: seen.append(signum))
     stop = StopRequest()
     stop.install()
     try:
@@ -94,3 +116,87 @@ def test_a_previous_handler_runs_after_the_checkpoint(monkeypatch):
         for s, h in originals.items():
             signal.signal(s, h)
     assert seen == [signal.SIGUSR2]
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------------
+def test_first_ctrl_c_requests_a_stop_and_a_second_aborts():
+    from framework.train.preemption import StopRequest
+
+    original = signal.getsignal(signal.SIGINT)
+    stop = StopRequest()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs at the next bytecode
+        assert stop.signum == signal.SIGINT and stop.agreed() and stop.reason() == "signal SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    finally:
+        stop.uninstall()
+        signal.signal(signal.SIGINT, original)
+    assert signal.getsignal(signal.SIGINT) is original
+
+
+def test_hand_over_after_ctrl_c_does_not_raise_keyboard_interrupt():
+    from framework.train.preemption import StopRequest
+
+    stop = StopRequest()
+    stop.install()
+    try:
+        stop.signum = signal.SIGINT
+        stop.hand_over()  # Python's default_int_handler was there before: it is not called
+    finally:
+        stop.uninstall()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interrupt_on_step(tmp_path, args, step):
+    """Start the CLI, wait until it logged ``step``, send SIGINT (as a terminal's Ctrl-C does)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "framework", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for_step(tmp_path / "run" / "metrics.jsonl", step, proc)
+    os.kill(proc.pid, signal.SIGINT)
+    return proc
+
+
+def test_ctrl_c_checkpoints_and_stops_like_sigterm(tmp_path):
+    proc = _interrupt_on_step(tmp_path, _overrides(tmp_path, "run"), 3)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]  # the exit code of a SIGTERM / SIGUSR2 stop
+    stopped = [ln for ln in err.splitlines() if ln.startswith("stopped:")]
+    assert stopped and "on signal SIGINT" in stopped[0] and "checkpoint step_" in stopped[0], err[-2000:]
+    step = int(stopped[0].split("stopped at step ")[1].split()[0])
+    assert (tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "meta.json").is_file()
+    assert "Traceback" not in err and not (tmp_path / "run" / "run.lock").exists()
+
+
+def test_a_second_ctrl_c_aborts_at_once_without_a_checkpoint(tmp_path):
+    # slow steps (seconds each): the second Ctrl-C lands before the step boundary the first waits for
+    args = _overrides(
+        tmp_path,
+        "run",
+        **{
+            "data.grid": "[64,64]",
+            "model.model_channels": 32,
+            "data.batch_size": 8,
+            "data.root": str(tmp_path / "data64"),
+        },
+    )
+    proc = _interrupt_on_step(tmp_path, args, 1)
+    line = proc.stderr.readline()  # the handler's acknowledgement: the first Ctrl-C was taken
+    assert line.startswith("interrupt: stopping at the next step"), line
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert not ckpts.exists() or not [p for p in ckpts.iterdir() if p.name.startswith("step_")]
+    assert not (tmp_path / "run" / "run.lock").exists()

@@ -8,7 +8,7 @@ import torch
 
 from framework.logging.jsonl import read
 from scripts.loss_compare import compare
-from tests.recipes.stormcast.test_diffusion import DATA, DIFF, cli, stage1, train_losses  # noqa: F401
+from tests.recipes.weather.test_diffusion import DATA, DIFF, cli, stage1, train_losses  # noqa: F401
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -18,9 +18,23 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 def test_diffusion_trains_on_one_gpu_in_bf16(stage1):  # noqa: F811
     tmp, data, _, export = stage1
     run = tmp / "gpu_bf16"
-    proc = cli([*DATA, *DIFF, "device=cuda", "precision=bf16", f"data.root={data}", f"task.regression={export}",
-                f"hydra.run.dir={run}", "trainer.max_steps=60", "trainer.log_every=1", "trainer.val_every=60",
-                "checkpoint.every=60", "optim.lr=3e-3"], tmp)
+    proc = cli(
+        [
+            *DATA,
+            *DIFF,
+            "device=cuda",
+            "precision=bf16",
+            f"data.root={data}",
+            f"task.regression={export}",
+            f"hydra.run.dir={run}",
+            "trainer.max_steps=60",
+            "trainer.log_every=1",
+            "trainer.val_every=60",
+            "checkpoint.every=60",
+            "optim.lr=3e-3",
+        ],
+        tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     loss = train_losses(run)
     assert np.mean(loss[-15:]) < np.mean(loss[:15])
@@ -33,8 +47,18 @@ def test_two_gpus_log_the_losses_of_one(stage1, layout):  # noqa: F811
     if GPUS < 2:
         pytest.skip(f"needs 2 GPUs, {GPUS} here")
     tmp, data, _, export = stage1
-    common = [*DATA, *DIFF, "device=cuda", f"data.root={data}", f"task.regression={export}", "deterministic=true",
-              "trainer.max_steps=3", "trainer.log_every=1", "trainer.val_every=3", "checkpoint=none"]
+    common = [
+        *DATA,
+        *DIFF,
+        "device=cuda",
+        f"data.root={data}",
+        f"task.regression={export}",
+        "deterministic=true",
+        "trainer.max_steps=3",
+        "trainer.log_every=1",
+        "trainer.val_every=3",
+        "checkpoint=none",
+    ]
     ref, run = tmp / "gpu_none", tmp / f"gpu_{layout[0].split('=')[1]}"
     if not (ref / "metrics.jsonl").exists():
         proc = cli([*common, "parallel=none", f"hydra.run.dir={ref}"], tmp)
@@ -44,3 +68,89 @@ def test_two_gpus_log_the_losses_of_one(stage1, layout):  # noqa: F811
     assert compare(train_losses(ref), train_losses(run)) <= 1e-5
     a, b = read(ref / "metrics.jsonl", "val")[-1], read(run / "metrics.jsonl", "val")[-1]
     assert b["crps"] == pytest.approx(a["crps"], rel=1e-4)
+
+
+# -- trainer.compile (framework.train.compile) with inductor on CUDA ------------------------------
+
+
+def _tiny_songunet(seed=0):
+    from recipes.stormcast.songunet import SongUNet
+
+    torch.manual_seed(seed)
+    m = SongUNet(
+        (32, 48),
+        5,
+        3,
+        model_channels=16,
+        channel_mult=[1, 2, 2],
+        num_blocks=2,
+        attn_resolutions=[8],
+        dropout=0.0,
+        embedding_type="zero",
+    )
+    for p in m.parameters():  # the near-zero output conv would hide differences
+        torch.nn.init.normal_(p, std=0.05)
+    return m.cuda()
+
+
+def _train(model, steps, dtype):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 5, 32, 48, device="cuda", generator=g)
+        y = torch.randn(4, 3, 32, 48, device="cuda", generator=g)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_compiled_songunet_trains_like_eager_on_gpu(dtype, rtol, monkeypatch):
+    """Inductor (Triton GroupNorm/SiLU fusions, cuDNN convs) against eager, same cuDNN algorithms
+    (benchmark off, TF32 off: fp32 differs only by reduction order)."""
+    from framework.train.compile import compile_model
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    eager, compiled = _tiny_songunet(), _tiny_songunet()
+    c = compile_model(compiled, device_type="cuda", cudnn_benchmark=False)
+    a, b = _train(eager, 4, dtype), _train(compiled, 4, dtype)
+    s = c.stats()
+    assert s["graphs"] > 0 and s["graph_breaks"] == 0, s
+    for la, lb in zip(a, b):
+        assert abs(la - lb) <= rtol * abs(la), (a, b)
+
+
+def test_trainer_compile_true_on_gpu(tmp_path):
+    """The CLI path: trainer.compile=true compiles the blocks and reports the counts in the log."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    proc = cli(
+        [
+            *DATA,
+            f"data.root={data}",
+            f"hydra.run.dir={run}",
+            "device=cuda",
+            "precision=bf16",
+            "model.channel_mult=[1,2]",
+            "trainer.compile=true",
+            "trainer.max_steps=6",
+            "trainer.log_every=1",
+            "trainer.val_every=6",
+            "trainer.val_batches=1",
+            "trainer.progress=false",
+            "checkpoint=none",
+        ],
+        tmp_path,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "compile: first compiled step" in log and " 0 graph breaks" in log, log[-3000:]
+    assert (run / "compile_cache").is_dir()  # a resumed job in this run dir reuses the kernels
+    assert all(np.isfinite(train_losses(run)))

@@ -10,8 +10,16 @@ from recipes.stormscope.natten import dense_neighbourhood_attention
 
 
 def tiny(**kw):
-    cfg = dict(img_resolution=(16, 24), in_channels=3, out_channels=2, patch_size=4, hidden_size=32, depth=2,
-               num_heads=4, attn_kernel=3)
+    cfg = dict(
+        img_resolution=(16, 24),
+        in_channels=3,
+        out_channels=2,
+        patch_size=4,
+        hidden_size=32,
+        depth=2,
+        num_heads=4,
+        attn_kernel=3,
+    )
     return DiT(**(cfg | kw))
 
 
@@ -91,7 +99,17 @@ def test_rope_row_offset_matches_full_rows():
     torch.testing.assert_close(rope(x[:, 4:7], row_offset=4), rope(x)[:, 4:7])
 
 
-def test_mask_token_replaces_masked_patches_and_nan_is_contained():
+def _attention_inputs(model):
+    """Run-time inputs of every block's attention (after the mask-token splice), by block index."""
+    captured = {}
+    hooks = [
+        b.attn.register_forward_pre_hook(lambda m, a, i=i: captured.update({i: a[0]}))
+        for i, b in enumerate(model.blocks)
+    ]
+    return captured, hooks
+
+
+def test_mask_token_is_spliced_before_qkv_and_nan_is_contained():
     model = tiny(mask_token=True)
     perturb_(model)
     x, t = inputs()
@@ -99,39 +117,84 @@ def test_mask_token_replaces_masked_patches_and_nan_is_contained():
     mask[0, 0, 5, 9] = True  # one pixel invalidates patch (1, 2) of sample 0
     x_nan = x.clone()
     x_nan[mask.expand_as(x)] = float("nan")
+    captured, hooks = _attention_inputs(model)
     out = model(x_nan, t, mask=mask)
+    for h in hooks:
+        h.remove()
     assert torch.isfinite(out).all()
-    # the masked patch's content must not matter: any other values there give the same output
+    # every block's attention sees its own token at the invalid patch, its normal input elsewhere
+    for i, blk in enumerate(model.blocks):
+        torch.testing.assert_close(captured[i][0, 1, 2], blk.attn.mask_token[0, 0])
+        assert not torch.allclose(captured[i][0, 1, 3], blk.attn.mask_token[0, 0])
+        assert not torch.allclose(captured[i][1, 1, 2], blk.attn.mask_token[0, 0])
+    # the invalid pixels' values never matter (zeroed first, as the reference's nan_to_num does)...
     x_other = x.clone()
-    x_other[0, :, 4:8, 8:12] = 100.0
+    x_other[mask.expand_as(x)] = 100.0
     torch.testing.assert_close(model(x_other, t, mask=mask), out)
-    # without the mask the patch embedding is used instead
+    # ...but the patch's valid pixels still do (the residual stream keeps the patch embedding)
+    x_valid = x.clone()
+    x_valid[0, :, 4, 8] += 1.0
+    assert not torch.allclose(model(x_valid, t, mask=mask), out)
+    # without the mask the network sees the patch as it is
     assert not torch.allclose(model(x, t), out)
 
 
-def test_mask_token_embedding():
-    model = tiny(mask_token=True)
-    x, _ = inputs()
+def test_mask_token_parameters_one_per_block_zero_at_init():
+    model = tiny(mask_token=True, depth=3)
+    tokens = {n: p for n, p in model.named_parameters() if "mask_token" in n}
+    assert sorted(tokens) == [f"blocks.{i}.attn.mask_token" for i in range(3)]
+    assert all(p.shape == (1, 1, 32) and not p.any() for p in tokens.values())
+    assert not any("mask_token" in n for n, _ in tiny().named_parameters())
+    # a mask without tokens only zeroes the invalid pixels
+    plain = tiny()
+    perturb_(plain)
+    x, t = inputs()
     mask = torch.zeros(2, 1, 16, 24, dtype=torch.bool)
-    mask[1, 0, 12, 23] = True  # last patch of sample 1
-    captured = {}
-    hook = model.blocks[0].register_forward_pre_hook(lambda m, a: captured.update(tokens=a[0]))
-    model(x, torch.zeros(2), mask=mask)
-    hook.remove()
-    tokens = captured["tokens"]
-    pos = model.pos_embed.weight[0]
-    torch.testing.assert_close(tokens[1, 3, 5], model.mask_token + pos[3, 5])
-    assert not torch.allclose(tokens[0, 3, 5], model.mask_token + pos[3, 5])
+    mask[:, :, :2] = True
+    torch.testing.assert_close(plain(x, t, mask=mask), plain(x.masked_fill(mask, 0.0), t))
 
 
-@pytest.mark.parametrize("kw,option", [
-    (dict(img_resolution=(18, 24)), "patch_size"),
-    (dict(attn_kernel=4), "attn_kernel"),
-    (dict(pos_embed="sincos"), "pos_embed"),
-    (dict(attn_impl="natten"), "attn_impl"),
-    (dict(num_heads=5), "num_heads"),
-    (dict(hidden_size=24, num_heads=4, pos_embed="rope"), "rope"),
-])
+def test_parameterisation_matches_the_reference_dit():
+    """Learned table (1, N, D) std 0.02; timestep MLP D -> 2D -> D over D sinusoidal features, xavier;
+    scalar conditions bias-free and zero; qkv with bias, no qk-norm."""
+    torch.manual_seed(0)
+    d = 64
+    model = DiT(
+        (64, 96), 3, 2, patch_size=4, hidden_size=d, depth=2, num_heads=4, attn_kernel=3, num_scalar_conditions=3
+    )
+    assert model.pos_embed.weight.shape == (1, 16 * 24, d)
+    assert abs(model.pos_embed.weight.std().item() - 0.02) < 0.002
+    te = model.t_embed
+    assert te.freq_dim == d
+    assert te.mlp[0].weight.shape == (2 * d, d) and te.mlp[2].weight.shape == (d, 2 * d)
+    for lin in (te.mlp[0], te.mlp[2]):  # xavier uniform: |w| <= sqrt(6 / (fan_in + fan_out))
+        bound = (6 / sum(lin.weight.shape)) ** 0.5
+        assert lin.weight.abs().max() <= bound and lin.weight.abs().max() > 0.9 * bound
+        assert not lin.bias.any()
+    assert te.scalars.bias is None and te.scalars.weight.shape == (d, 3) and not te.scalars.weight.any()
+    for blk in model.blocks:
+        assert blk.attn.qkv.bias is not None and blk.attn.qkv.weight.shape == (3 * d, d)
+        assert not any("norm" in n for n, _ in blk.attn.named_parameters())
+    # the features: [cos, sin] of D/2 frequencies 10000^(-i / (D/2)), i = 0 .. D/2 - 1
+    t = torch.tensor([0.3, -1.7])
+    half = d // 2
+    freqs = 10000.0 ** (-torch.arange(half, dtype=torch.float64) / half)
+    arg = t.double()[:, None] * freqs
+    feats = torch.cat([arg.cos(), arg.sin()], -1).float()
+    torch.testing.assert_close(te(t, torch.zeros(2, 3)), te.mlp(feats))
+
+
+@pytest.mark.parametrize(
+    "kw,option",
+    [
+        (dict(img_resolution=(18, 24)), "patch_size"),
+        (dict(attn_kernel=4), "attn_kernel"),
+        (dict(pos_embed="sincos"), "pos_embed"),
+        (dict(attn_impl="natten"), "attn_impl"),
+        (dict(num_heads=5), "num_heads"),
+        (dict(hidden_size=24, num_heads=4, pos_embed="rope"), "rope"),
+    ],
+)
 def test_bad_options_raise(kw, option):
     with pytest.raises(ValueError, match=option):
         tiny(**kw)
@@ -188,8 +251,10 @@ def test_attention_band_with_halo_equals_rows_of_full(rope):
 
 def test_pos_embed_band_slices_rows():
     pe = PosEmbed2d((6, 4), 8)
+    assert pe.weight.shape == (1, 24, 8)  # (1, N, D), row-major over the token grid
     x = torch.zeros(1, 2, 4, 8)
-    torch.testing.assert_close(pe(x, row_offset=3), pe.weight[:, 3:5])
+    torch.testing.assert_close(pe(x, row_offset=3), pe.weight[:, 12:20].reshape(1, 2, 4, 8))
+    torch.testing.assert_close(pe(torch.zeros(1, 6, 4, 8)), pe.weight.reshape(1, 6, 4, 8))
 
 
 @pytest.mark.gpu

@@ -19,9 +19,22 @@ GPU = ["device=cuda", "model.hidden_size=64", "model.num_heads=4"]
 
 def test_stormscope_trains_on_one_gpu_with_flex(tmp_path):
     run = tmp_path / "r"
-    proc = cli([*BASE, *GPU, "precision=bf16", "model.attn_impl=flex", f"data.root={tmp_path / 'data'}",
-                f"hydra.run.dir={run}", "trainer.max_steps=60", "trainer.log_every=1", "trainer.val_every=60",
-                "checkpoint.every=60", "optim.lr=2e-3"], tmp_path)
+    proc = cli(
+        [
+            *BASE,
+            *GPU,
+            "precision=bf16",
+            "model.attn_impl=flex",
+            f"data.root={tmp_path / 'data'}",
+            f"hydra.run.dir={run}",
+            "trainer.max_steps=60",
+            "trainer.log_every=1",
+            "trainer.val_every=60",
+            "checkpoint.every=60",
+            "optim.lr=2e-3",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "using the reference implementation" not in proc.stderr
     loss = losses(run)
@@ -34,8 +47,17 @@ def test_stormscope_trains_on_one_gpu_with_flex(tmp_path):
 def test_fsdp2_domain_on_two_gpus_logs_the_losses_of_one(tmp_path, impl):
     if GPUS < 2:
         pytest.skip(f"needs 2 GPUs, {GPUS} here")
-    common = [*BASE, *GPU, f"model.attn_impl={impl}", f"data.root={tmp_path / 'data'}", "deterministic=true",
-              "trainer.max_steps=4", "trainer.log_every=1", "trainer.val_every=0", "checkpoint=none"]
+    common = [
+        *BASE,
+        *GPU,
+        f"model.attn_impl={impl}",
+        f"data.root={tmp_path / 'data'}",
+        "deterministic=true",
+        "trainer.max_steps=4",
+        "trainer.log_every=1",
+        "trainer.val_every=0",
+        "checkpoint=none",
+    ]
     ref, run = tmp_path / "none", tmp_path / "fsdp2_domain"
     proc = cli([*common, "parallel=none", f"hydra.run.dir={ref}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

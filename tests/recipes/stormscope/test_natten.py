@@ -22,8 +22,10 @@ CASES = [(6, 6, 3), (7, 9, 5), (9, 5, 7), (4, 4, 7), (3, 11, 5), (10, 3, 3)]
 
 def qkv(rows, cols, heads=2, dim=8, batch=2, seed=0, requires_grad=True):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, rows, cols, dim, generator=g, dtype=torch.float64).requires_grad_(requires_grad)
-            for _ in range(3)]
+    return [
+        torch.randn(batch, heads, rows, cols, dim, generator=g, dtype=torch.float64).requires_grad_(requires_grad)
+        for _ in range(3)
+    ]
 
 
 def flex_runs_on_cpu() -> bool:
@@ -88,8 +90,12 @@ def test_flex_equals_dense_forward(rows, cols, kernel, tiled):
     q, k, v = (t.detach().float() for t in qkv(rows, cols))
     from recipes.stormscope.natten import flex_neighbourhood_attention
 
-    torch.testing.assert_close(flex_neighbourhood_attention(q, k, v, kernel, tiled=tiled),
-                               dense_neighbourhood_attention(q, k, v, kernel), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        flex_neighbourhood_attention(q, k, v, kernel, tiled=tiled),
+        dense_neighbourhood_attention(q, k, v, kernel),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("rows,cols,kernel", TILED)
@@ -99,7 +105,7 @@ def test_tiled_order_round_trips_and_is_used_on_big_grids(rows, cols, kernel):
     assert tile == natten._TILE
     flat = natten.to_tiles(x, tile)
     assert flat.shape[2] % (tile[0] * tile[1]) == 0
-    assert torch.equal(flat[:, :, :tile[1]], x[:, :, 0, :tile[1]])  # the first tile's first row
+    assert torch.equal(flat[:, :, : tile[1]], x[:, :, 0, : tile[1]])  # the first tile's first row
     assert torch.equal(natten.from_tiles(flat, tile, rows, cols), x)
 
 
@@ -140,8 +146,9 @@ def split_rows(n, parts):
     return bounds
 
 
-@pytest.mark.parametrize("rows,cols,kernel,parts", [(12, 5, 5, 3), (13, 4, 5, 3), (10, 7, 3, 4), (17, 6, 7, 4),
-                                                    (9, 9, 5, 2)])
+@pytest.mark.parametrize(
+    "rows,cols,kernel,parts", [(12, 5, 5, 3), (13, 4, 5, 3), (10, 7, 3, 4), (17, 6, 7, 4), (9, 9, 5, 2)]
+)
 @pytest.mark.parametrize("impl", ["reference", "auto"])
 def test_band_with_halo_equals_rows_of_full(rows, cols, kernel, parts, impl):
     q, k, v = qkv(rows, cols)
@@ -152,8 +159,16 @@ def test_band_with_halo_equals_rows_of_full(rows, cols, kernel, parts, impl):
     grads = [torch.zeros_like(t) for t in (q, k, v)]
     for a, b in split_rows(rows, parts):  # first, middle(s), last band
         lo, hi = max(0, a - halo), min(rows, b + halo)  # what a halo exchange delivers
-        out = neighbourhood_attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], kernel, impl=impl,
-                                      q_row_offset=a, kv_row_offset=lo, grid_rows=rows)
+        out = neighbourhood_attention(
+            q[:, :, a:b],
+            k[:, :, lo:hi],
+            v[:, :, lo:hi],
+            kernel,
+            impl=impl,
+            q_row_offset=a,
+            kv_row_offset=lo,
+            grid_rows=rows,
+        )
         torch.testing.assert_close(out, full[:, :, a:b])
         # the band's grads, scattered back, must sum to the full grads (halo grads go to the owner)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), g[:, :, a:b])
@@ -166,8 +181,9 @@ def test_band_with_halo_equals_rows_of_full(rows, cols, kernel, parts, impl):
 def test_band_too_little_halo_raises():
     q, k, v = qkv(12, 4)
     with pytest.raises(ValueError, match=r"need key rows \[2, 10\).*cover rows \[3, 11\)"):
-        neighbourhood_attention(q[:, :, 4:8], k[:, :, 3:11], v[:, :, 3:11], 5, q_row_offset=4, kv_row_offset=3,
-                                grid_rows=12)
+        neighbourhood_attention(
+            q[:, :, 4:8], k[:, :, 3:11], v[:, :, 3:11], 5, q_row_offset=4, kv_row_offset=3, grid_rows=12
+        )
 
 
 def test_kv_rows_needed_at_edges():
@@ -180,8 +196,14 @@ def test_kv_rows_needed_at_edges():
 
 # (q rows, k rows, cols, kernel, q offset, kv offset, grid rows): whole grids, bands with halos,
 # lengths that are and are not multiples of the block, a kernel wider than the columns
-BANDS = [(8, 8, 12, 5, 0, 0, 8), (4, 7, 20, 5, 4, 1, 8), (16, 20, 40, 7, 16, 13, 40), (10, 13, 33, 7, 10, 7, 30),
-         (6, 6, 3, 9, 0, 0, 6), (5, 9, 16, 5, 0, 0, 20)]
+BANDS = [
+    (8, 8, 12, 5, 0, 0, 8),
+    (4, 7, 20, 5, 4, 1, 8),
+    (16, 20, 40, 7, 16, 13, 40),
+    (10, 13, 33, 7, 10, 7, 30),
+    (6, 6, 3, 9, 0, 0, 6),
+    (5, 9, 16, 5, 0, 0, 20),
+]
 
 
 @pytest.mark.parametrize("hq,hk,w,kernel,qo,ko,grid", BANDS)
@@ -192,7 +214,7 @@ def test_block_flags_classify_every_block_of_the_token_mask(hq, hk, w, kernel, q
     m = _grid_mask(torch.arange(hq) + qo, torch.arange(hk) + ko, w, kernel, grid, "cpu")
     nq, nk = -(-hq * w // block), -(-hk * w // block)
     padded = torch.zeros(nq * block, nk * block, dtype=torch.bool)  # past the ends counts as masked
-    padded[:hq * w, :hk * w] = m
+    padded[: hq * w, : hk * w] = m
     seen = padded.view(nq, block, nk, block).sum((1, 3))
     partial, full = block_flags(hq, hk, w, kernel, qo, ko, grid, "cpu", block=block)
     assert torch.equal(full, seen == block * block)
@@ -219,8 +241,16 @@ def test_block_mask_equals_torchs_create_block_mask():
 
 
 def assert_same_blocks(got, want):
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                 "q_indices", "full_q_num_blocks", "full_q_indices"):
+    for name in (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "q_indices",
+        "full_q_num_blocks",
+        "full_q_indices",
+    ):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
@@ -236,8 +266,13 @@ def test_tiled_block_flags_equal_create_block_mask_of_the_tiled_mask_mod(hq, hk,
     lengths = [len(natten._positions(n, w, tile, "cpu")[0]) for n in (hq, hk)]
     want = create_block_mask(mask_mod, None, None, *lengths, device="cpu", BLOCK_SIZE=block)
     partial, full = block_flags(hq, hk, w, kernel, qo, ko, grid, "cpu", block=block, tile=tile)
-    got = BlockMask.from_kv_blocks(*natten._ordered(partial), *natten._ordered(full), BLOCK_SIZE=block,
-                                   mask_mod=mask_mod, seq_lengths=tuple(lengths))
+    got = BlockMask.from_kv_blocks(
+        *natten._ordered(partial),
+        *natten._ordered(full),
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+        seq_lengths=tuple(lengths),
+    )
     assert_same_blocks(got, want)
 
 
@@ -262,6 +297,7 @@ def test_flex_cuda_band_with_halo_equals_rows_of_full():
     full = dense_neighbourhood_attention(q, k, v, 7)
     for a, b in split_rows(23, 3):
         lo, hi = max(0, a - 3), min(23, b + 3)
-        out = neighbourhood_attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], 7, impl="flex",
-                                      q_row_offset=a, kv_row_offset=lo, grid_rows=23)
+        out = neighbourhood_attention(
+            q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], 7, impl="flex", q_row_offset=a, kv_row_offset=lo, grid_rows=23
+        )
         torch.testing.assert_close(out, full[:, :, a:b], atol=1e-4, rtol=1e-4)

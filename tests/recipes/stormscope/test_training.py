@@ -18,9 +18,17 @@ pytestmark = pytest.mark.timeout(900)
 
 # 18 x 16 pixels, patch 2: 9 x 8 tokens; domain=2 splits rows 10/8 (5/4 patch rows, enough
 # for kernel 5's halo of 2 rows).
-BASE = ["recipe=tiny_stormscope", "data.grid=[18,16]", "data.hours_per_year=48", "data.batch_size=4",
-        "task.sampler.num_steps=3", "task.val_members=2", "trainer.val_batches=1", "trainer.progress=false",
-        "schedule.warmup_steps=2"]
+BASE = [
+    "recipe=tiny_stormscope",
+    "data.grid=[18,16]",
+    "data.hours_per_year=48",
+    "data.batch_size=4",
+    "task.sampler.num_steps=3",
+    "task.val_members=2",
+    "trainer.val_batches=1",
+    "trainer.progress=false",
+    "schedule.warmup_steps=2",
+]
 
 
 def cli(args, cwd: Path, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -40,8 +48,19 @@ def test_stormscope_learns_and_rolls_out(tmp):
     import zarr
 
     run = tmp / "learns"
-    proc = cli([*BASE, f"data.root={tmp / 'data'}", f"hydra.run.dir={run}", "trainer.max_steps=80",
-                "trainer.log_every=1", "trainer.val_every=80", "checkpoint.every=80", "optim.lr=2e-3"], tmp)
+    proc = cli(
+        [
+            *BASE,
+            f"data.root={tmp / 'data'}",
+            f"hydra.run.dir={run}",
+            "trainer.max_steps=80",
+            "trainer.log_every=1",
+            "trainer.val_every=80",
+            "checkpoint.every=80",
+            "optim.lr=2e-3",
+        ],
+        tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     loss = losses(run)
     assert np.mean(loss[-20:]) < 0.8 * np.mean(loss[:20]), (loss[:20], loss[-20:])
@@ -50,28 +69,56 @@ def test_stormscope_learns_and_rolls_out(tmp):
     # Throughput in model FLOPs the DiT states (FlopCounterMode cannot see flex_attention).
     from recipes.stormscope.dit import DiT, train_flops
 
-    flops = train_flops(DiT((18, 16), 3 + 3 + 3 + 2, 3, patch_size=2, hidden_size=32, depth=2, num_heads=2,
-                            attn_kernel=5))
+    flops = train_flops(
+        DiT((18, 16), 3 + 3 + 3 + 2, 3, patch_size=2, hidden_size=32, depth=2, num_heads=2, attn_kernel=5)
+    )
     row = read(run / "metrics.jsonl", "train")[-1]
     assert row["tflops"] == pytest.approx(flops * row["samples_per_s"] / 1e12, rel=1e-6)
     out = tmp / "scope.zarr"
-    proc = run_module("recipes.stormcast.inference", [
-        "--diffusion", str(run), "--data-root", str(tmp / "data"), "--start", "2021-01-01T00", "--hours", "2",
-        "--members", "2", "--out", str(out), "--no-progress"], tmp)
+    proc = run_module(
+        "recipes.stormcast.inference",
+        [
+            "--diffusion",
+            str(run),
+            "--data-root",
+            str(tmp / "data"),
+            "--start",
+            "2021-01-01T00",
+            "--hours",
+            "2",
+            "--members",
+            "2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        tmp,
+    )
     assert proc.returncode == 0, proc.stderr
     g = zarr.open_group(str(out), mode="r")
     assert g["forecast"].shape == (2, 2, 3, 18, 16) and g.attrs["channels"] == ["abi08", "abi13", "refc"]
     assert g.attrs["regression"] is None
 
 
-@pytest.mark.parametrize("layout,nproc", [
-    (["parallel=fsdp2_domain"], 2),
-    (["parallel=fsdp2_domain", "parallel.dp_shard=2"], 4),
-    (["parallel=fsdp2_domain", "model.pos_embed=rope"], 2),
-], ids=["fsdp2_domain-1x2-uneven", "fsdp2_domain-2x2", "fsdp2_domain-1x2-rope"])
+@pytest.mark.parametrize(
+    "layout,nproc",
+    [
+        (["parallel=fsdp2_domain"], 2),
+        (["parallel=fsdp2_domain", "parallel.dp_shard=2"], 4),
+        (["parallel=fsdp2_domain", "model.pos_embed=rope"], 2),
+    ],
+    ids=["fsdp2_domain-1x2-uneven", "fsdp2_domain-2x2", "fsdp2_domain-1x2-rope"],
+)
 def test_layouts_log_the_losses_of_one_process(tmp, layout, nproc):
-    common = [*BASE, f"data.root={tmp / 'data'}", "deterministic=true", "trainer.max_steps=4",
-              "trainer.log_every=1", "trainer.val_every=0", "checkpoint=none"]
+    common = [
+        *BASE,
+        f"data.root={tmp / 'data'}",
+        "deterministic=true",
+        "trainer.max_steps=4",
+        "trainer.log_every=1",
+        "trainer.val_every=0",
+        "checkpoint=none",
+    ]
     extra = [o for o in layout if o.startswith("model.")]
     ref = tmp / "_".join(["none", *extra]).replace("=", "-")
     if not (ref / "metrics.jsonl").exists():
@@ -88,8 +135,16 @@ def test_layouts_log_the_losses_of_one_process(tmp, layout, nproc):
 def test_checkpoint_of_a_2d_mesh_resumes_on_any_layout(tmp):
     """dp=2 x domain=2 writes a DCP checkpoint at step 2 of 4; resumed from it on 2x2 and on one
     process, steps 3-4 log the losses of the uninterrupted run."""
-    common = [*BASE, f"data.root={tmp / 'data'}", "deterministic=true", "trainer.log_every=1",
-              "trainer.val_every=0", "checkpoint=dcp", "checkpoint.every=2", "trainer.max_steps=4"]
+    common = [
+        *BASE,
+        f"data.root={tmp / 'data'}",
+        "deterministic=true",
+        "trainer.log_every=1",
+        "trainer.val_every=0",
+        "checkpoint=dcp",
+        "checkpoint.every=2",
+        "trainer.max_steps=4",
+    ]
     mesh = ["parallel=fsdp2_domain", "parallel.dp_shard=2"]
     full = tmp / "ckpt_full"
     proc = cli([*common, *mesh, f"hydra.run.dir={full}"], tmp, nproc=4)

@@ -1,0 +1,122 @@
+"""Adapters to what differs between installs and torch versions, in one place.
+
+- ``conf_dir()``: where the Hydra config tree is. A checkout has it beside the package
+  (``<checkout>/conf``); an installed wheel has it as the data-only package
+  ``framework_conf`` (pyproject.toml maps ``conf/`` to it), found through the import
+  system (``importlib.util.find_spec``); an editable install maps that package onto the
+  checkout's ``conf/``, so both lookups agree there.
+- Torch's private APIs that the engine still needs, each behind a function that feature-
+  detects it and has a public fallback: ``flatten_mesh`` (``DeviceMesh._flatten``) and
+  ``group_timeout`` (the timeout in a process group's backend options). Each was checked
+  on the torch minors in ``TORCH_CHECKED`` (tests/framework/distributed/test_compat.py
+  runs them on the installed torch; .ci/run runs that file on the oldest and the newest
+  minor of the range pyproject.toml claims).
+
+Nothing here imports torch at module level: the CLI validates a config before torch loads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+CONF_PACKAGE = "framework_conf"
+
+# torch minors every adapter below was run on (CPU, gloo); they must cover pyproject's range.
+TORCH_CHECKED = ("2.11", "2.12", "2.13", "2.14")
+
+
+def conf_dir() -> Path:
+    """The config tree: the checkout's ``conf/`` beside this package, else the installed one.
+
+    The checkout wins when there is one, so code and configs always come from the same
+    tree (a checkout on PYTHONPATH next to an older wheel uses its own configs). With
+    neither, the checkout's path comes back and Hydra says that it is missing (exit 2).
+    """
+    checkout = Path(__file__).resolve().parent.parent / "conf"
+    if (checkout / "config.yaml").is_file():
+        return checkout
+    return installed_conf_dir() or checkout
+
+
+def installed_conf_dir() -> Path | None:
+    """The folder of the installed package ``framework_conf`` that holds config.yaml, if any.
+
+    A data-only (namespace) package: its folders are the search locations of its spec
+    (site-packages/framework_conf for a wheel, the checkout's conf/ for an editable install).
+    """
+    spec = importlib.util.find_spec(CONF_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(folder) / "config.yaml").is_file():
+            return Path(folder)
+    return None
+
+
+CONF_DIR = str(conf_dir())
+
+
+def torch_minor() -> str:
+    """``"2.13"`` for torch 2.13.0+cpu."""
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"{major}.{minor}"
+
+
+# -- DeviceMesh._flatten ---------------------------------------------------------------------
+def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
+    """A 1-D mesh over the named adjacent dims of ``mesh`` (a root DeviceMesh), named ``name``.
+
+    ``mesh[dims]._flatten(name)`` where torch has it (2.11 to 2.14: one new process group,
+    the view registered on the root mesh); otherwise the same ranks through public API: a
+    new root mesh whose shape merges those dims (one process group per dim), sliced.
+    """
+    sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    private = getattr(sub, "_flatten", None)
+    if callable(private):
+        return private(name)
+    return _flatten_public(mesh, dims, name)
+
+
+def _flatten_public(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = list(mesh.mesh_dim_names)
+    idx = [names.index(d) for d in dims]
+    if idx != list(range(idx[0], idx[0] + len(idx))):
+        raise ValueError(f"flatten_mesh: dims {dims} are not adjacent in {tuple(names)}")
+    shape = list(mesh.mesh.shape)
+    merged = 1
+    for i in idx:
+        merged *= shape[i]
+    new_shape = shape[: idx[0]] + [merged] + shape[idx[-1] + 1 :]
+    new_names = names[: idx[0]] + [name] + names[idx[-1] + 1 :]
+    root = DeviceMesh(mesh.device_type, mesh.mesh.reshape(new_shape), mesh_dim_names=tuple(new_names))
+    return root[name]
+
+
+# -- the default process group's timeout -----------------------------------------------------
+def group_timeout(group: Any = None) -> datetime.timedelta | None:
+    """The collective timeout a process group was created with (default group: None).
+
+    torch has no public getter: the value sits in the backend's options (``_timeout``),
+    per device type. None if no group is initialised or torch keeps it elsewhere.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for this device, or the attribute moved
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None

@@ -1,0 +1,277 @@
+"""``trainer.compile=true``: regional compilation of the training model, on every layout.
+
+What is compiled: the forward of each repeated block (the units ``find_units`` picks, the
+FSDP2 units, e.g. a UNet's residual blocks or a transformer's blocks), once per block class and
+input signature. All instances of a class share one code object, so torch.compile caches
+one graph per distinct signature (channels, up/down, attention, resolution) and every block
+with that signature reuses it: a 78.6 M-parameter UNet of 55 blocks has 22-24 signatures
+(graphs). The parts between blocks (input conv, output head, loss) stay eager.
+
+Why not ``unit.compile()`` per block (what this replaced): every block compiled
+``nn.Module._call_impl``, one code object for all 55, so after dynamo's default
+``recompile_limit`` of 8 signatures the rest ran eager; worse, the trainer counts FLOPs on
+the first step under ``FlopCounterMode``, and dynamo permanently skips a frame it first
+meets under a torch dispatch mode (seen with torch 2.13; the 2.11 GPU figures fit it: compiled
+ran at eager speed), so the first-step FLOP count left the blocks eager for good. Here the
+recompile limit is raised to the number of units, and a block runs eager while a dispatch
+mode is active (the FLOP-counting step), compiled from the next step on.
+
+Layouts: compiled before sharding (torchtitan's order). FSDP2's and DDP's hooks stay eager
+around the compiled forwards (``forward`` is replaced on the instance: hooks, parameter
+names and checkpoints are untouched). Domain layouts run eager with a one-line warning:
+their halo exchanges and GroupNorm sums are autograd functions around p2p/all-reduce calls
+that dynamo cannot trace, and the regions between them (a SiLU, an add) are not worth a
+graph each.
+
+Only training steps (grad enabled) run compiled; validation and sampling (no_grad) run the
+eager forward, so they cost no second set of compiles.
+
+Cache: the inductor/Triton cache goes to ``<run dir>/compile_cache`` unless
+``TORCHINDUCTOR_CACHE_DIR`` is set, so a resumed job (same run dir) loads the compiled
+kernels instead of compiling again (dynamo still traces: an 8 s first step on an H200 with a
+warm cache, against 143-216 s cold for the regression preset). For moving caches
+between machines torch has the portable "mega-cache" (``torch.compiler.save_cache_artifacts``
+/ ``load_cache_artifacts``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger("framework")
+
+
+def dispatch_mode_active() -> bool:
+    """A torch dispatch mode (FlopCounterMode, a debug mode) is on: dynamo would skip the frame for good."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
+
+
+class RegionForward:
+    """A unit's ``forward``: the class's compiled forward in training steps, else the eager one."""
+
+    def __init__(self, module: nn.Module, compiled, eager):
+        self.module, self.compiled, self.eager = module, compiled, eager
+
+    def __call__(self, *args, **kwargs):
+        if torch.is_grad_enabled() and not dispatch_mode_active():
+            return self.compiled(self.module, *args, **kwargs)
+        return self.eager(*args, **kwargs)
+
+
+def dynamo_counts(codes=()) -> dict:
+    """Dynamo's running totals: graphs, frames, graph breaks (with reasons), and per code object
+    of ``codes`` the cached graphs (one per signature; cached - 1 are recompiles)."""
+    from torch._dynamo.utils import counters
+
+    breaks = Counter({k.split("\n")[0][:160]: v for k, v in counters["graph_break"].items()})
+    entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)  # private helper
+    cached = sum(len(entries(code)) for code in codes) if entries is not None else 0
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "frames": int(counters["frames"]["ok"]),
+        "graph_breaks": int(sum(breaks.values())),
+        "break_reasons": dict(breaks.most_common(3)),
+        "cached": cached,
+        "recompiles": max(0, cached - len(codes)),
+    }
+
+
+@dataclass
+class Compiled:
+    """What ``compile_model`` did; ``stats()`` after a step gives the compile counts."""
+
+    enabled: bool
+    reason: str = ""
+    units: int = 0
+    classes: dict = field(default_factory=dict)  # class name -> units
+    channels_last: bool = False
+    cache_dir: str = ""
+    first_step_s: float | None = None
+    codes: list = field(default_factory=list)
+    _base: dict = field(default_factory=dict)
+
+    def stats(self) -> dict:
+        now = dynamo_counts(self.codes)
+        out = {k: now[k] - self._base.get(k, 0) for k in ("graphs", "frames", "graph_breaks")}
+        out.update(
+            cached_graphs=now["cached"],
+            recompiles=now["recompiles"],
+            break_reasons=now["break_reasons"],
+            units=self.units,
+            first_step_s=self.first_step_s,
+        )
+        return out
+
+    def summary(self) -> str:
+        s = self.stats()
+        first = f"first compiled step {s['first_step_s']:.1f} s; " if s["first_step_s"] is not None else ""
+        return (
+            f"compile: {first}{s['cached_graphs']} graphs for {self.units} units "
+            f"({', '.join(f'{n} x{c}' for n, c in self.classes.items())}), {s['recompiles']} recompiles "
+            f"(one per distinct block signature, limit {torch._dynamo.config.recompile_limit}), "
+            f"{s['graph_breaks']} graph breaks"
+        )
+
+
+def _set_cache_dir(cache_dir: Path | None) -> str:
+    """The run's cache dir, unless the user set one. Torch writes its default into the variable
+    the first time it asks (an import may have done so): that value counts as unset."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = os.path.abspath(default_cache_dir())
+    except ImportError:  # older layout of torch's private modules
+        default = None
+    if cache_dir is not None and (current is None or os.path.abspath(current) == default):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve())
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "(torch default)")
+
+
+def _wants_channels_last(model: nn.Module, device_type: str) -> bool:
+    """Off: measured slower on H200 (torch 2.11, the 78.6 M UNet of docs/benchmarks.md, batch 4: 11.6 samples/s
+    channels-last against 12.7 NCHW, docs/benchmarks.md). cuDNN's NHWC convs save their
+    NCHW<->NHWC transposes (41 ms of a 313 ms step), but inductor's GroupNorm reductions over
+    channel groups that are strided in NHWC, and the layout copies at the eager boundaries,
+    cost more (+26 ms Triton, +36 ms copies). Eager channels-last is slower still: the CUDA
+    GroupNorm kernel needs NCHW, so every GroupNorm copies in and out."""
+    return False
+
+
+def _to_channels_last(module, args, kwargs):
+    def conv(t):
+        return (
+            t.contiguous(memory_format=torch.channels_last)
+            if torch.is_tensor(t) and t.dim() == 4 and t.is_floating_point()
+            else t
+        )
+
+    return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+
+
+def compile_model(
+    model: nn.Module,
+    *,
+    units: list[str] | None = None,
+    device_type: str = "cuda",
+    deterministic: bool = False,
+    cache_dir: Path | None = None,
+    backend="inductor",
+    channels_last: bool | None = None,
+    cudnn_benchmark: bool | None = None,
+    options: dict | None = None,
+) -> Compiled:
+    """Compile ``model``'s repeated blocks in place (before sharding); see the module doc.
+
+    ``channels_last``: channels-last activations with inductor's layout optimisation forced
+    (None: off, see ``_wants_channels_last``). ``cudnn_benchmark``: None turns it on for CUDA
+    unless ``deterministic``. ``options``: inductor config patches.
+    """
+    from framework.distributed.sharding import find_units
+
+    if any(hasattr(m, "_domain") for m in model.modules()):
+        msg = (
+            "trainer.compile: domain layouts run eager (halo exchanges and GroupNorm sums are p2p/"
+            "all-reduce autograd functions that dynamo cannot trace); compile is on for none, ddp, fsdp2, hsdp"
+        )
+        warnings.warn(msg, stacklevel=2)
+        log.warning(msg)
+        return Compiled(False, reason="domain layout")
+    picked = find_units(model, list(units or []))
+    if not picked:
+        msg = "trainer.compile: the model has no repeated blocks to compile; running eager"
+        warnings.warn(msg, stacklevel=2)
+        log.warning(msg)
+        return Compiled(False, reason="no units")
+
+    cache = _set_cache_dir(cache_dir)
+    cfg = torch._dynamo.config
+    # one cache entry per distinct signature of a block class, at most one per unit
+    cfg.recompile_limit = max(cfg.recompile_limit, len(picked) + 8)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 2 * len(picked) + 64)
+    if cudnn_benchmark is None:
+        cudnn_benchmark = device_type == "cuda" and not deterministic
+    if cudnn_benchmark:  # static shapes: pick each conv's fastest algorithm once
+        torch.backends.cudnn.benchmark = True
+    if channels_last is None:
+        channels_last = _wants_channels_last(model, device_type)
+    options = dict(options or {})
+    if channels_last:
+        # NHWC convs inside every graph: inductor's own heuristic skips it for graphs with a conv
+        # whose output has half its input channels (the decoder's), and leaves its intermediate
+        # buffers (the conv inputs) NCHW, so cuDNN transposed in and out of every conv.
+        options.setdefault("force_layout_optimization", True)
+    kwargs = {"backend": backend, "dynamic": False}
+    if options and backend == "inductor":
+        kwargs["options"] = options
+    compiled_by_class: dict[type, object] = {}
+    classes: Counter = Counter()
+    for _, unit in picked:
+        cls = type(unit)
+        if cls not in compiled_by_class:
+            compiled_by_class[cls] = torch.compile(cls.forward, **kwargs)
+        unit.forward = RegionForward(unit, compiled_by_class[cls], unit.forward)
+        classes[cls.__name__] += 1
+    codes = list({c.forward.__code__ for c in compiled_by_class})
+    if channels_last:
+        model.register_forward_pre_hook(_to_channels_last, with_kwargs=True)
+    out = Compiled(
+        True,
+        units=len(picked),
+        classes=dict(classes),
+        channels_last=channels_last,
+        cache_dir=cache,
+        codes=codes,
+        _base=dynamo_counts(),
+    )
+    _watch_first_step(model, out)
+    log.info(
+        "compile: %d units (%s) compiled per block class, regional, backend=%s; activations %s; cache %s",
+        out.units,
+        ", ".join(f"{n} x{c}" for n, c in classes.items()),
+        backend if isinstance(backend, str) else type(backend).__name__,
+        "channels_last" if channels_last else "as given",
+        cache,
+    )
+    return out
+
+
+def _watch_first_step(model: nn.Module, out: Compiled) -> None:
+    """Log the compile counts once the first compiled forward+backward is done (at the next
+    compiled forward): compilation happens lazily, inside the first training step."""
+    state = {"t0": None}
+
+    def hook(module, args):
+        if not torch.is_grad_enabled() or dispatch_mode_active():
+            return
+        if state["t0"] is None:
+            state["t0"] = time.perf_counter()
+            return
+        out.first_step_s = time.perf_counter() - state["t0"]
+        handle.remove()
+        s = out.stats()
+        log.info(out.summary())
+        if s["graph_breaks"]:
+            log.warning(
+                "compile: %d graph breaks; most frequent: %s",
+                s["graph_breaks"],
+                "; ".join(f"{k} (x{v})" for k, v in s["break_reasons"].items()),
+            )
+        if s["cached_graphs"] >= torch._dynamo.config.recompile_limit:
+            log.warning(
+                "compile: recompile limit %d reached: further block signatures run eager",
+                torch._dynamo.config.recompile_limit,
+            )
+
+    handle = model.register_forward_pre_hook(hook)

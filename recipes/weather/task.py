@@ -1,0 +1,260 @@
+"""The StormCast regression task: [state_t, ERA5 background, invariants] -> state_t+dt.
+
+The trainer calls ``loss`` and ``val_step``; everything weather-specific lives here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from framework import registry
+from framework.errors import ConfigError, DataError
+from framework.task import Task
+
+# Input conventions a trained model depends on, with the values of exports that predate them.
+DATA_CONVENTIONS = {"background_time": "target", "invariant_norm": "zscore", "dt": 1}
+
+
+def data_conventions(spec: dict) -> dict:
+    """The input conventions an export spec records (legacy defaults where it records none)."""
+    return {**DATA_CONVENTIONS, **(spec.get("data") or {})}
+
+
+class RowBand(torch.utils.data.Dataset):
+    """A dataset's samples restricted to one band of rows (read from zarr, not sliced after)."""
+
+    def __init__(self, dataset, rows: slice):
+        self.dataset, self.rows = dataset, rows
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset.read(i, rows=self.rows)
+
+    def __getattr__(self, name):  # stats, channel names, grid: those of the whole dataset
+        if name in ("dataset", "rows"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class RegressionTask(Task):
+    def __init__(self, run, env, device: torch.device, barrier=lambda: None, domain=None):
+        super().__init__(run, env, device, barrier=barrier, domain=domain)
+        self.data_cfg, self.model_cfg, self.cfg = run.data, run.model, run.task
+        self._train = self._val = None
+        self._figure = None
+        # Domain parallel: this rank reads and computes only its band of rows, and its
+        # loss is weighted by its share of the pixels (times the group size, since the
+        # gradient reduction averages over the domain ranks too).
+        self.rows = None
+        self.loss_weight = 1.0
+        if domain is not None:
+            start = sum(domain.extents[: domain.rank])
+            self.rows = slice(start, start + domain.extents[domain.rank])
+            self.loss_weight = domain.size * domain.extents[domain.rank] / sum(domain.extents)
+
+    # config checks, before any heavy work -------------------------------------------------
+    @staticmethod
+    def check_config(run) -> None:
+        factor = run.model.downsample_factor  # the UNet's total down-sampling, the DiT's patch
+        rows, cols = run.data.grid
+        for axis, n in (("rows", rows), ("cols", cols)):
+            if n % factor:
+                raise ConfigError(
+                    f"data.grid: {axis}={n} is not divisible by {factor}, the {run.model.downsample_reason}"
+                )
+
+    @classmethod
+    def domain_rows(cls, run) -> tuple[int, int]:
+        """Bands of grid rows, multiples of the model's down-sampling (UNet levels, DiT patches)."""
+        return run.data.grid[0], run.model.downsample_factor
+
+    @staticmethod
+    def model_io(data: dict, task: dict) -> tuple[int, int]:
+        """(in, out) channels of the net: [state, background, invariants] -> state."""
+        n = len(data["hrrr_channels"])
+        return n + len(data.get("era5_channels") or []) + len(data.get("invariants") or []), n
+
+    @classmethod
+    def export_spec(cls, config: dict) -> dict:
+        """The model config of a run: its ``model`` node, in/out channels and grid, the builder's
+        ``kwargs``, and the task node and channel names, so a consumer (the diffusion stage,
+        inference) checks it is fed the data the model was trained on."""
+        if (
+            not isinstance(config, dict)
+            or not isinstance(config.get("model"), dict)
+            or not isinstance(config.get("data"), dict)
+            or not isinstance(config.get("task"), dict)
+        ):
+            raise DataError("checkpoint meta.json has no run config with 'model', 'data' and 'task' nodes")
+        model, data = dict(config["model"]), config["data"]
+        try:
+            in_channels, out_channels = cls.model_io(data, config["task"])
+            grid = [int(g) for g in data["grid"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"checkpoint meta.json: data config lacks channels or grid ({e})") from None
+        kwargs = {k: v for k, v in model.items() if k != "name"}
+        kwargs.update(img_resolution=grid, in_channels=in_channels, out_channels=out_channels)
+        channels = {k: list(data.get(k) or []) for k in ("hrrr_channels", "era5_channels", "invariants")}
+        # How the inputs were made; exports written before these keys existed were trained with
+        # the background at the target time and z-scored invariants (see data_conventions).
+        conventions = {k: data.get(k, v) for k, v in DATA_CONVENTIONS.items()}
+        return {
+            "name": model.get("name"),
+            "model": model,
+            "in_channels": in_channels,
+            "out_channels": out_channels,
+            "img_resolution": grid,
+            "kwargs": kwargs,
+            "task": config["task"],
+            "channels": channels,
+            "data": conventions,
+            "seed": config.get("seed"),
+        }
+
+    # data --------------------------------------------------------------------------------
+    def _dataset(self, years):
+        from recipes.weather.dataset import HrrrEra5Dataset
+
+        d = self.data_cfg
+        if d.name == "synthetic":
+            self._ensure_synthetic()
+        ds = HrrrEra5Dataset.from_config(d, years)
+        if tuple(ds.grid) != tuple(d.grid):
+            raise ConfigError(
+                f"data.grid: config says {list(d.grid)} but the stores under {d.root} hold {list(ds.grid)}"
+            )
+        return ds if self.rows is None else RowBand(ds, self.rows)
+
+    def _ensure_synthetic(self):
+        from recipes.weather.synthetic import write_synthetic
+
+        d = self.data_cfg
+        if self.env.is_main:  # idempotent: returns at once when the stores are there
+            try:
+                write_synthetic(
+                    d.root,
+                    height=d.grid[0],
+                    width=d.grid[1],
+                    hrrr_channels=list(d.hrrr_channels),
+                    era5_channels=list(d.era5_channels),
+                    invariants=list(d.invariants),
+                    years=sorted(set(d.train_years) | set(d.val_years)),
+                    hours_per_year=d.hours_per_year,
+                    seed=d.generator_seed,
+                    layout=d.write_layout,
+                )
+            except (FileExistsError, ValueError) as e:
+                raise DataError(f"data.root {d.root}: {str(e).splitlines()[0]}") from None
+        self.barrier()
+
+    def train_dataset(self):
+        if self._train is None:
+            self._train = self._dataset(self.data_cfg.train_years)
+        return self._train
+
+    def val_dataset(self):
+        if self._val is None:
+            self._val = self._dataset(self.data_cfg.val_years)
+        return self._val
+
+    # model -------------------------------------------------------------------------------
+    def _plain_io(self) -> tuple[int, int]:
+        d = self.data_cfg
+        plain = {k: list(getattr(d, k)) for k in ("hrrr_channels", "era5_channels", "invariants")}
+        return self.model_io(plain, {"conditions": list(getattr(self.cfg, "conditions", []))})
+
+    def build_model(self) -> torch.nn.Module:
+        in_ch, out_ch = self._plain_io()
+        return registry.models.build(
+            self.model_cfg.name,
+            self.model_cfg,
+            in_channels=in_ch,
+            out_channels=out_ch,
+            img_resolution=tuple(self.data_cfg.grid),
+        )
+
+    # steps -------------------------------------------------------------------------------
+    def _predict(self, model, batch):
+        x = torch.cat([batch["state"], batch["background"], batch["invariants"]], dim=1)
+        out = model(x)
+        return batch["state"] + out if self.cfg.residual else out
+
+    def loss(self, model, batch) -> torch.Tensor:
+        pred = self._predict(model, batch)
+        return F.mse_loss(pred.float(), batch["target"].float()) * self.loss_weight
+
+    @torch.no_grad()
+    def val_step(self, model, batch) -> dict[str, torch.Tensor]:
+        """Per-channel sums of squared error (model and persistence), normalized units."""
+        pred = self._predict(model, batch).float()
+        target = batch["target"].float()
+        if self._figure is None:  # the first validation sample of this rank, for the figure
+            self._figure = (target[0, 0].detach(), pred[0, 0].detach())
+        dims = (0, 2, 3)
+        return {
+            "se_model": ((pred - target) ** 2).sum(dims).double(),
+            "se_persistence": ((batch["state"].float() - target) ** 2).sum(dims).double(),
+            "count": torch.tensor(float(target.numel() // target.shape[1]), dtype=torch.float64, device=target.device),
+        }
+
+    def val_figures(self, out_dir, step: int) -> dict:
+        """Truth / prediction / error of the first channel of the first validation sample."""
+        if self._figure is None:
+            return {}
+        (truth, pred), self._figure = self._figure, None
+        return self.draw_fields(out_dir, step, {"truth": truth[None], "prediction": pred[None]}, [0], "prediction")
+
+    def draw_fields(self, out_dir, step: int, fields: dict, channels: list[int], shown: str) -> dict:
+        """Field and spectrum figures of ``fields`` ({label: (len(channels), rows, W)}, normalised),
+        one pair per HRRR channel index in ``channels``; the field figure shows ``fields[shown]``
+        against ``fields["truth"]``.
+
+        Domain ranks hold bands of rows: the fields are gathered (comm.gather_rows) before the
+        global rank 0 draws them. Returns {name: png path} on that rank, else {}.
+        """
+        from pathlib import Path
+
+        if self.domain is not None:
+            from framework.domain.comm import gather_rows
+
+            fields = {k: gather_rows(v, self.domain, dim=1) for k, v in fields.items()}
+        if not self.env.is_main:
+            return {}
+        from recipes.weather.plots import field_figure, spectra_figure
+
+        ds, names = self.val_dataset(), self.data_cfg.hrrr_channels
+        out, title = {}, f"{self.run.recipe}, step {step}: first validation sample"
+        for j, c in enumerate(channels):
+            name, mean, std = names[c], float(ds.hrrr_means[c]), float(ds.hrrr_stds[c])
+            phys = {k: v[j].cpu().double().numpy() * std + mean for k, v in fields.items()}  # physical units
+            out[f"fields/{name}"] = str(
+                field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name, phys["truth"], phys[shown], title)
+            )
+            out[f"spectra/{name}"] = str(
+                spectra_figure(Path(out_dir) / f"spectrum_{step:08d}_{name}.png", name, phys, title)
+            )
+        return out
+
+    def val_summary(self, sums: dict[str, torch.Tensor]) -> dict:
+        mse = (sums["se_model"] / sums["count"]).cpu()
+        mse_p = (sums["se_persistence"] / sums["count"]).cpu()
+        stds = torch.as_tensor(self.val_dataset().hrrr_stds, dtype=torch.float64)
+        row = {
+            "loss": float(mse.mean()),
+            "rmse": float(mse.sqrt().mean()),
+            "rmse_persistence": float(mse_p.sqrt().mean()),
+        }
+        for i, name in enumerate(self.data_cfg.hrrr_channels):  # physical units
+            row[f"rmse/{name}"] = float(mse[i].sqrt() * stds[i])
+            row[f"rmse_persistence/{name}"] = float(mse_p[i].sqrt() * stds[i])
+        return row
+
+    def summary_lines(self, val_row: dict) -> list[str]:
+        if "rmse" not in val_row:
+            return []
+        r, p = val_row["rmse"], val_row["rmse_persistence"]
+        verdict = "beats" if r < p else "does NOT beat"
+        return [f"validation RMSE {r:.4g} vs persistence {p:.4g} (normalized units): model {verdict} persistence"]

@@ -1,0 +1,142 @@
+"""The injections that ran code before the one gate, through the real CLI: each would write a marker file;
+now each ends with one line and exit 2 before anything is written (no marker, no run dir, no data).
+
+Every one of these forms wrote its marker with the CLI before framework.cli.precheck checked the whole
+config, hydra.* included (verified against the previous cli.py).
+"""
+
+import pickle
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli, tiny_overrides
+
+EVILMOD = """\
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+def x(*a, **k):
+    pathlib.Path({marker!r}).write_text("called")
+"""
+
+
+class _Payload:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.write_text, (Path(self.path), "unpickled")
+
+
+def _setup(tmp_path, case, marker):
+    """Files a case needs (an importable module in the working dir, a --config-dir, a pickle, a fake squeue)."""
+    (tmp_path / "evilmod.py").write_text(EVILMOD.format(marker=str(marker)))
+    cd = tmp_path / "cd"
+    (cd / "experiment").mkdir(parents=True)
+    (cd / "experiment" / "evil.yaml").write_text(
+        textwrap.dedent("""\
+        # @package _global_
+        optim: '${oc.decode:"{_target_: evilmod.x, lr: 0.001}"}'
+        """)
+    )
+    (cd / "cluster").mkdir()
+    (cd / "cluster" / "evil.yaml").write_text(
+        textwrap.dedent(f"""\
+        # @package _global_
+        cluster: {{name: local}}
+        hydra:
+          job_logging:
+            handlers:
+              x: {{class: zipfile.ZipFile, file: {marker}, mode: w}}
+        """)
+    )
+    (tmp_path / "config.pickle").write_bytes(pickle.dumps(_Payload(str(marker))))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    squeue.write_text(f"#!/bin/sh\ntouch {marker}\necho 2099-01-01T00:00:00\n")
+    squeue.chmod(0o755)
+    return cd, bin_dir
+
+
+CASES = {
+    # Hydra instantiated a callback from the command line
+    "callback": (
+        [
+            "+hydra.callbacks.x._target_=pathlib.Path.write_text",
+            "+hydra.callbacks.x.self._target_=pathlib.Path",
+            "+hydra.callbacks.x.self._args_=[{marker}]",
+            "+hydra.callbacks.x.data=pwned",
+        ],
+        r"^error: hydra\.callbacks\.x: Hydra callbacks run code and are not allowed",
+    ),
+    # under --multirun Hydra instantiated the launcher node recursively
+    "launcher": (
+        [
+            "--multirun",
+            "+hydra.launcher.x._target_=pathlib.Path.write_text",
+            "+hydra.launcher.x.self._target_=pathlib.Path",
+            "+hydra.launcher.x.self._args_=[{marker}]",
+            "+hydra.launcher.x.data=pwned",
+            "hydra.sweep.dir={tmp}/sweep",
+        ],
+        r"^error: hydra\.launcher\.x: may only take the value of a framework cluster preset",
+    ),
+    # hydra.job.env_set.PATH made the SLURM time-limit check run a planted squeue
+    "env_set": (
+        ["trainer.stop_before_end_min=1", "+hydra.job.env_set.PATH={bin}:/usr/bin:/bin"],
+        r"^error: hydra\.job\.env_set\.PATH: setting environment variables",
+    ),
+    # logging.config built a handler of any class with config-given arguments
+    "job_logging": (
+        [
+            "+hydra.job_logging.handlers.x.class=zipfile.ZipFile",
+            "+hydra.job_logging.handlers.x.file={marker}",
+            "+hydra.job_logging.handlers.x.mode=w",
+        ],
+        r"^error: hydra\.job_logging\.handlers\.x\.class: logging class 'zipfile\.ZipFile' is not allowed",
+    ),
+    # a pkg:// search-path entry imported a module of the working directory while composing
+    "searchpath": (["hydra.searchpath=[pkg://evilmod]"], r"^error: hydra\.searchpath: 'pkg://evilmod' is not allowed"),
+    # a _target_ inside an interpolation in a --config-dir file passed the unresolved check
+    "oc_decode": (
+        ["--config-dir", "{cd}", "+experiment=evil"],
+        r"^error: optim\._target_: target 'evilmod\.x' is not allowed",
+    ),
+    # --help configures Hydra's logging from hydra.hydra_logging
+    "help": (
+        [
+            "--help",
+            "+hydra.hydra_logging.handlers.x.class=zipfile.ZipFile",
+            "+hydra.hydra_logging.handlers.x.file={marker}",
+            "+hydra.hydra_logging.handlers.x.mode=w",
+        ],
+        r"^error: hydra\.hydra_logging\.handlers\.x\.class",
+    ),
+    # the second option of a swept group configures the second job's logging
+    "sweep_group": (
+        ["--multirun", "--config-dir", "{cd}", "cluster=local,evil", "hydra.sweep.dir={tmp}/sweep"],
+        r"^error: hydra\.job_logging\.handlers\.x\.class: logging class 'zipfile\.ZipFile'",
+    ),
+    # --experimental-rerun unpickles a file
+    "rerun": (["--experimental-rerun", "{tmp}/config.pickle"], r"^error: --experimental-rerun loads a pickle"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_injection_is_refused_before_anything_runs(tmp_path, case):
+    marker = tmp_path / "marker"
+    cd, bin_dir = _setup(tmp_path, case, marker)
+    args, pattern = CASES[case]
+    args = [a.format(marker=marker, tmp=tmp_path, cd=cd, bin=bin_dir) for a in args]
+    overrides = tiny_overrides(tmp_path, tmp_path / "data", checkpoint="none", **{"trainer.max_steps": 2})
+    proc = run_cli([*args, *overrides], cwd=tmp_path, env={"SLURM_JOB_ID": "12345"} if case == "env_set" else None)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and re.search(pattern, err[0]), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not marker.exists(), marker.read_text()
+    for written in ("run", "sweep", "data"):
+        assert not (tmp_path / written).exists(), written

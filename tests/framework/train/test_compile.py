@@ -1,0 +1,184 @@
+"""trainer.compile: regional compilation (framework.train.compile) on CPU.
+
+The equality tests compile with backend="aot_eager" (dynamo + AOTAutograd, the same graphs
+and guards, no inductor code generation): inductor's CPU backend builds C++ for each of the
+tiny SongUNet's graphs and takes minutes on two cores. Inductor itself is tested on the GPU
+(tests/recipes/stormcast/test_gpu.py). The graph-break and recompile test uses
+backend="eager" (dynamo only), which is what decides both counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from framework.train.compile import RegionForward, compile_model
+from recipes.stormcast.layers import UNetBlock
+from recipes.stormcast.songunet import SongUNet
+from tests.multiproc import spawn
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = {
+    "img_resolution": (16, 16),
+    "in_channels": 3,
+    "out_channels": 2,
+    "model_channels": 8,
+    "channel_mult": [1, 2],
+    "num_blocks": 1,
+    "attn_resolutions": [8],
+    "dropout": 0.0,
+    "embedding_type": "zero",
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _model(seed: int = 0, **overrides) -> SongUNet:
+    torch.manual_seed(seed)
+    m = SongUNet(**{**TINY, **overrides})
+    for p in m.parameters():  # the near-zero output conv would hide differences
+        torch.nn.init.normal_(p, std=0.05)
+    return m
+
+
+def _batches(n: int, batch: int = 2):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 3, 16, 16, generator=g), torch.randn(batch, 2, 16, 16, generator=g)) for _ in range(n)]
+
+
+def _train(model, batches) -> list[float]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for x, y in batches:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_compiled_training_matches_eager_fp32():
+    eager, compiled = _model(), _model()
+    c = compile_model(compiled, device_type="cpu", backend="aot_eager")
+    assert c.enabled and c.units == sum(isinstance(m, UNetBlock) for m in compiled.modules())
+    batches = _batches(3)
+    a, b = _train(eager, batches), _train(compiled, batches)
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    for la, lb in zip(a, b):
+        assert abs(la - lb) <= 1e-5 * abs(la), (a, b)
+    for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=f"parameter {n} after 3 steps")
+
+
+def _signatures(model: SongUNet, x: torch.Tensor) -> int:
+    """Distinct (block config, input shapes) in one eager forward: the graphs regional compile needs."""
+    seen = set()
+
+    def hook(m, args):
+        shapes = tuple(tuple(a.shape) if torch.is_tensor(a) else None for a in args)
+        seen.add((m.in_channels, m.out_channels, m.conv0.up, m.conv0.down, m.attn is not None, shapes))
+
+    handles = [b.register_forward_pre_hook(hook) for b in model.modules() if isinstance(b, UNetBlock)]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    return len(seen)
+
+
+def test_tiny_songunet_compiles_without_graph_breaks_within_its_recompile_budget():
+    """CI guard: a graph break or a recompile beyond one graph per distinct block signature
+    (e.g. a guard on a module instance, a shape made dynamic) fails here."""
+    model = _model(num_blocks=2)  # two blocks per level: some signatures repeat
+    x, y = _batches(1)[0]
+    budget = _signatures(model, x)
+    c = compile_model(model, device_type="cpu", backend="eager")
+    for _ in range(2):  # the second step must reuse every graph
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    s = c.stats()
+    assert s["graph_breaks"] == 0, s["break_reasons"]
+    assert s["cached_graphs"] == budget, (s, budget)  # one graph per signature, shared by its blocks
+    assert s["recompiles"] == budget - 1
+    assert budget < c.units  # blocks with one signature do share a graph
+    assert s["first_step_s"] is not None  # the start-up report ran after the first step
+
+
+def test_a_flop_counting_first_step_leaves_the_blocks_compiled():
+    """Dynamo skips for good a frame it first meets under a dispatch mode (FlopCounterMode)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _model()
+    c = compile_model(model, device_type="cpu", backend="eager")
+    x, y = _batches(1)[0]
+    counter = FlopCounterMode(display=False)
+    with counter:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert counter.get_total_flops() > 0
+    assert c.stats()["graphs"] == 0  # the counted step ran eager
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    assert c.stats()["graphs"] > 0
+
+
+def test_validation_runs_eager_and_names_are_unchanged():
+    model = _model()
+    keys = list(model.state_dict())
+    compile_model(model, device_type="cpu", backend="eager")
+    assert list(model.state_dict()) == keys  # checkpoints and the domain splitter see the same names
+    assert all(isinstance(b.forward, RegionForward) for b in model.modules() if isinstance(b, UNetBlock))
+    x, _ = _batches(1)[0]
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert counters["frames"]["ok"] == 0
+
+
+def test_domain_layouts_fall_back_to_eager_with_one_warning():
+    model = _model()
+    model.enc["16_block0"].conv0._domain = object()  # what the domain splitter leaves on split layers
+    with pytest.warns(UserWarning, match="domain layouts run eager"):
+        c = compile_model(model, device_type="cpu", backend="eager")
+    assert not c.enabled
+    assert not any(isinstance(getattr(b, "forward", None), RegionForward) for b in model.modules())
+
+
+def _layout(rank, world, sharding, backend):
+    from framework.config.schema import ParallelConfig, PrecisionConfig, ShardingConfig
+    from framework.distributed import mesh, precision
+    from framework.distributed import sharding as policies
+
+    torch._dynamo.reset()
+    batches = _batches(2, batch=4)
+    ref = _model()
+    ref_losses = _train(ref, batches)
+    topo = mesh.build(mesh.resolve(ParallelConfig(), world), "cpu")
+    model = _model()
+    c = compile_model(model, device_type="cpu", backend=backend)
+    prec = precision.build(PrecisionConfig(name="fp32"), torch.device("cpu"))
+    sharded = policies.__dict__[sharding](
+        model, ShardingConfig(name=sharding), topology=topo, precision=prec, device=torch.device("cpu")
+    )
+    per = 4 // world
+    sl = slice(rank * per, (rank + 1) * per)
+    local = _train(sharded.model, [(x[sl], y[sl]) for x, y in batches])
+    assert c.stats()["graphs"] > 0 and c.stats()["graph_breaks"] == 0
+    for step, (lr, ll) in enumerate(zip(ref_losses, local)):
+        t = torch.tensor([ll / world])
+        torch.distributed.all_reduce(t)
+        assert abs(t.item() - lr) <= 1e-5 * lr, (step, t.item(), lr)
+
+
+@pytest.mark.parametrize("sharding,backend", [("fsdp2", "aot_eager"), ("ddp", "eager")])
+def test_compiled_layouts_train_like_one_eager_process(sharding, backend):
+    """FSDP2's and DDP's hooks around compiled blocks, on 2 gloo ranks. FSDP2 through AOTAutograd
+    (its unsharded parameters are graph inputs whose storage it frees and refills); DDP with
+    dynamo alone, as its gradient hooks sit on the parameters either way (and CI time is short)."""
+    spawn(_layout, 2, sharding, backend, timeout_s=240)
