@@ -9,6 +9,7 @@ import sys
 import hydra
 
 from framework import cli
+from framework.distributed.env import die_with_launcher
 
 
 @hydra.main(version_base="1.3", config_path=cli.CONF_DIR, config_name="config")
@@ -17,6 +18,7 @@ def _hydra_main(cfg):
 
 
 def main():
+    die_with_launcher()
     try:
         cli.precheck(sys.argv[1:])
     except KeyboardInterrupt:

@@ -2,8 +2,8 @@
 
 A backend owns the files of its format inside one checkpoint directory; the manager owns
 everything around them (naming, RNG files, ``meta.json``, the manifest, the atomic
-commit, discovery, retention). Readers that are not the manager (``framework.export``,
-``recipes.weather.weights``) get a backend from :func:`for_checkpoint` and call
+commit, discovery, retention). Readers that are not the manager (``framework.export``, a
+recipe loading a trained stage) get a backend from :func:`for_checkpoint` and call
 ``verify`` then ``export_weights``.
 """
 

@@ -1,7 +1,7 @@
 """Which checkpoint a path means: the one rule every reader follows.
 
-Readers (resume in the manager, ``framework.export``, ``recipes.weather.weights`` for
-``task.regression`` and inference) accept a step directory (that checkpoint), a
+Readers (resume in the manager, ``framework.export``, a recipe loading a trained stage
+or running inference) accept a step directory (that checkpoint), a
 ``checkpoints/`` directory or a run directory. For the last two, "latest" is:
 
     the newest committed checkpoint on the run's current lineage that passes verification.

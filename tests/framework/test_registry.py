@@ -27,6 +27,8 @@ def _names(group: str, key: str = "name") -> set[str]:
         node = OmegaConf.load(f)
         if group == "recipe":
             node = node.get("task", {})
+            if key not in node:  # a variant of another preset (stormcast_fast: defaults [stormcast])
+                continue
         out.add(str(OmegaConf.select(node, key)))
     return out
 

@@ -157,12 +157,6 @@ def test_rows_not_a_multiple_of_the_downsampling_name_the_numbers():
         split_extents(50, 2, 16)
 
 
-def test_split_extents_is_still_importable_from_its_old_module():
-    from framework.domain import shard_tensor
-
-    assert shard_tensor.split_extents is split_extents
-
-
 def test_too_many_ranks_name_the_numbers():
     with pytest.raises(
         ConfigError,

@@ -353,7 +353,11 @@ def test_presets_select_rows_and_the_alias_still_composes(compose):
 
 
 def _layout(sharding, splitter_name, world, domain):
-    run = SimpleNamespace(sharding=SimpleNamespace(name=sharding), splitter=SimpleNamespace(name=splitter_name))
+    run = SimpleNamespace(
+        sharding=SimpleNamespace(name=sharding),
+        splitter=SimpleNamespace(name=splitter_name),
+        model=SimpleNamespace(name="songunet"),
+    )
     return run, SimpleNamespace(world=world, domain=domain)
 
 
