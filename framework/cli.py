@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from framework.config import resolvers
@@ -81,6 +82,9 @@ def precheck(argv: list[str]) -> None:
             from framework.config.validate import validate
 
             run = validate(job, trust)
+            if run.mode == "plan" and not multirun and not args.cfg:  # the whole job: no run dir, no Hydra
+                print_plan(run)
+                sys.exit(0)
             if i == 0 and not args.cfg and _launch_rank() == 0:  # --cfg only prints
                 _precheck_dirs(cfg, run, multirun)
     except FrameworkError as e:
@@ -288,6 +292,8 @@ def main(cfg) -> dict:
         from framework.config.validate import validate
 
         run = validate(cfg, trust)
+        if run.mode == "plan":  # a job of a --multirun (a single run printed it in precheck)
+            return {"plan": print_plan(run)}
         run_dir = _run_dir()
         lock = prepare_run_dir(run, run_dir)
         from framework.runtime import run_job
@@ -296,11 +302,26 @@ def main(cfg) -> dict:
     except FrameworkError as e:
         fail(e)
     except KeyboardInterrupt:
+        # What the abort cut short (a coroutine never awaited, a worker's pipe) would only
+        # warn at shutdown, after this line: the abort is the message.
+        warnings.simplefilter("ignore")
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
     finally:
         if lock is not None:
             lock.release()
+
+
+def print_plan(run) -> list[str]:
+    """``mode=plan``: what each rank would hold, read and compute (framework/plan.py), on stdout."""
+    from framework import registry
+    from framework.plan import report
+
+    registry.load_providers()
+    lines = report(run)
+    if _launch_rank() == 0:
+        print("\n".join(lines), flush=True)
+    return lines
 
 
 def job_gate(cfg):

@@ -11,6 +11,11 @@
   on the torch minors in ``TORCH_CHECKED`` (tests/framework/distributed/test_compat.py
   runs them on the installed torch; .ci/run runs that file on the oldest and the newest
   minor of the range pyproject.toml claims).
+- ``fake_mode`` and ``step_tracer``: ``torch._subclasses.FakeTensorMode`` and
+  ``torch.utils._python_dispatch.TorchDispatchMode``, which framework/plan.py traces a step
+  with. Neither has a public alias nor a fallback (without them ``mode=plan`` cannot trace);
+  both have been stable since torch 2.0, but so far they were run on 2.13 only
+  (tests/framework/test_plan.py).
 
 Nothing here imports torch at module level: the CLI validates a config before torch loads.
 """
@@ -120,3 +125,76 @@ def group_timeout(group: Any = None) -> datetime.timedelta | None:
         if isinstance(timeout, datetime.timedelta):
             return timeout
     return None
+
+
+# -- FakeTensorMode and a dispatch mode: framework/plan.py traces a step with them ----------------
+def fake_mode() -> Any:
+    """torch's FakeTensorMode: tensors made inside it have shapes, dtypes and devices but no memory,
+    so a paper-size model runs a step on a laptop. Real tensors may mix in (sample indices, tables
+    a model builds with numpy). ``torch._subclasses`` has no public alias in 2.11 to 2.14."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def step_tracer() -> Any:
+    """A context manager that sees every aten op of a traced step (fake tensors included) and
+    keeps two tallies: ``.live`` / ``.peak``, the bytes of the storages ops allocate while those
+    stay alive (now / the most at once), and ``.flops``, by torch.utils.flop_counter's per-op
+    formulas. (FlopCounterMode itself would do for the FLOPs, but its module tracker holds
+    gradients until a module's are all computed, which raises the peak.)
+
+    An op's output is a new allocation unless its storage is one of the op's inputs' (a view or
+    an in-place op); it is freed when its storage is (a weakref finalizer: torch keeps one Python
+    object per live storage, so the finalizer fires when the memory would be released).
+    """
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    def tensors(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                yield from tensors(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                yield from tensors(y)
+
+    def storage(t):
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, nested)
+            return None
+
+    class StepTracer(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = self.flops = 0
+            self._seen: dict[int, Any] = {}
+
+        def _free(self, key: int, nbytes: int) -> None:
+            self._seen.pop(key, None)
+            self.live -= nbytes
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            count = flop_registry.get(func._overloadpacket)
+            if count is not None:
+                self.flops += count(*args, **kwargs, out_val=out)
+            inputs = {id(storage(t)) for t in tensors((args, kwargs))}
+            for t in tensors(out):
+                st = storage(t)
+                key = id(st)
+                if st is None or key in inputs or key in self._seen:
+                    continue
+                self.live += st.nbytes()
+                self.peak = max(self.peak, self.live)
+                self._seen[key] = weakref.finalize(st, self._free, key, st.nbytes())
+            return out
+
+    return StepTracer()

@@ -1,7 +1,8 @@
 """Build every component of a validated run through the registries, then train.
 
-Order (fixed, as in torchtitan's parallelize step): seed -> model on device -> domain
-splitter -> sharding policy -> optimizer/schedule -> checkpoint -> trainer.
+Order (fixed, as in torchtitan's parallelize step): seed -> data -> which checkpoint to
+resume from -> model (``checkpoint.init_from`` on a fresh start) on device -> domain splitter
+-> sharding policy -> optimizer/schedule -> trainer.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def run_job(run, run_dir: Path) -> dict:
     registry.load_providers()
     env = dist_env.detect()
+    if run.parallel.name == "auto":  # the layout the plan picks for these ranks and this memory
+        from framework.plan import apply_auto
+
+        run = apply_auto(run, env.world_size, env.is_main)
     degrees = mesh_mod.resolve(run.parallel, env.world_size)  # config error before any group
     _check_layout(run, degrees)
     device = dist_env.pick_device(run.device, env)
@@ -110,7 +115,16 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
         raise ConfigError(f"task '{run.task.name}' ({type(task).__name__}) is not a framework.task.Task")
     task.train_dataset()  # fail on bad data before building anything large
     task.val_dataset()
-    model = task.build_model().to(device)
+    backend = registry.checkpoint.build(run.checkpoint.name, run.checkpoint)
+    checkpoint = (
+        CheckpointManager(run.checkpoint, backend, run_dir, env, barrier=collectives.barrier)
+        if backend is not None
+        else None
+    )
+    resume = checkpoint.plan_resume() if checkpoint is not None else None  # verified by every rank
+    model = task.build_model()
+    init_from = _init_from(run, task, model, resume)
+    model = model.to(device)
     model = registry.splitters.build(
         run.splitter.name,
         model,
@@ -138,12 +152,6 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
 
     optimizer = optim_mod.build(run.optim, model.parameters())
     scheduler = schedule_mod.build(run.schedule, optimizer, run.trainer.max_steps)
-    backend = registry.checkpoint.build(run.checkpoint.name, run.checkpoint)
-    checkpoint = (
-        CheckpointManager(run.checkpoint, backend, run_dir, env, barrier=collectives.barrier)
-        if backend is not None
-        else None
-    )
 
     sinks = []
     if env.is_main:
@@ -173,6 +181,7 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
         dp_rank=topology.dp_rank,
         dp_size=topology.dp_size,
     )
+    trainer.init_from = init_from  # a resumed run takes the record of its checkpoint instead
     try:
         summary = trainer.fit()
     finally:
@@ -188,6 +197,37 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
         "run_dir": summary.run_dir,
         "resumed_from": summary.resumed_from,
     }
+
+
+def _init_from(run, task, model, resume: Path | None) -> dict | None:
+    """``checkpoint.init_from``: the task loads those weights into the fresh ``model`` (before it
+    is split or sharded). Not on resume: the checkpoint's weights win, and it is said once."""
+    value = run.checkpoint.init_from
+    if not value:
+        return None
+    if resume is not None:
+        from framework.checkpoint.backend import read_meta
+
+        started = (read_meta(resume).get("init_from") or {}).get("path")
+        log.info(
+            "checkpoint.init_from=%s not applied: resuming from %s, whose weights win%s",
+            value,
+            resume,
+            f" (this run started from {started})" if started else "",
+        )
+        return None
+    path = Path(value)
+    if not path.exists():
+        raise ConfigError(f"checkpoint.init_from: {path} does not exist")
+    record = dict(task.init_weights(model, path) or {})
+    record.setdefault("path", str(path))
+    log.info(
+        "checkpoint.init_from: the model starts from %s (%s tensors%s)",
+        path,
+        record.get("tensors", "?"),
+        f", {record['format']}" if record.get("format") else "",
+    )
+    return record
 
 
 def _domain_group(run, topology, task_cls):

@@ -8,14 +8,18 @@ checks, the domain split, exports); instance methods during a run.
 
 The trainer's use, in order: ``train_dataset`` / ``val_dataset`` (once, to fail early),
 ``build_model`` (a plain ``nn.Module``; the engine splits, compiles and shards it),
-``flops_per_sample``, then per step ``loss(model, batch)``; at validation ``val_step`` per
-batch, the engine sums its tensors over every rank, ``val_summary(sums)`` turns them into
-the logged row and ``val_figures`` draws; at the end ``summary_lines(last_val_row)``.
+``init_weights`` (``checkpoint.init_from``, on a fresh start only), ``flops_per_sample``,
+then per step ``loss(model, batch)``; at validation ``val_step`` per batch, the engine
+sums its tensors over every rank, ``val_summary(sums)`` turns them into the logged row
+and ``val_figures`` draws; at the end ``summary_lines(last_val_row)``.
+``python -m framework.export --format F`` asks ``export_writers`` for the writer of F.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +53,15 @@ class Task(abc.ABC):
         config node) and ``kwargs`` (the builder's keyword arguments besides the config).
         Raise DataError when ``config`` does not describe such a run."""
 
+    @classmethod
+    def export_writers(cls) -> dict[str, Callable[[dict, dict, Path], Any]]:
+        """Formats ``python -m framework.export --format`` writes besides the engine's own
+        (``native``: the state dict and its ``export_spec`` as JSON): {name: writer}, where
+        ``writer(weights, spec, out)`` writes the model's state dict (plain CPU tensors) and
+        its export spec to the file ``out``, raising DataError when the model has no
+        counterpart in that format. None besides it by default."""
+        return {}
+
     # -- data and model ---------------------------------------------------------------------
     @abc.abstractmethod
     def train_dataset(self) -> torch.utils.data.Dataset:
@@ -60,6 +73,18 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def build_model(self) -> torch.nn.Module:
         """The plain model, on CPU, knowing nothing of distribution."""
+
+    def init_weights(self, model: torch.nn.Module, path: Path) -> dict:
+        """``checkpoint.init_from=<path>``: load trained weights into the fresh ``model`` (just
+        built by ``build_model``, not yet split or sharded; a fresh start only, never on resume)
+        and return a small JSON-able record of what was loaded (kept in the run's checkpoints).
+        The default reads the engine's own formats (a run, ``checkpoints/`` or step directory;
+        an exported weights file); override to accept others. Names or shapes that differ from
+        the model's: ConfigError naming the file and the first difference
+        (``framework.checkpoint.init_from.apply``)."""
+        from framework.checkpoint.init_from import load_own
+
+        return load_own(model, path)
 
     def flops_per_sample(self) -> float | None:
         """Model FLOPs of one training sample when the model states them, else None (counted)."""
@@ -85,3 +110,12 @@ class Task(abc.ABC):
     def summary_lines(self, val_row: dict) -> list[str]:
         """Closing lines about the last validation (e.g. the verdict against a baseline)."""
         return []
+
+    # -- planning (``mode=plan``, ``parallel=auto``: framework/plan.py) --------------------
+    def example_batch(self, batch_size: int, empty: Callable[..., torch.Tensor]) -> dict[str, Any] | None:
+        """A batch of ``batch_size`` samples shaped as this rank would load it (its band of rows
+        when split), so the planner can trace a step without reading data: make each field with
+        ``empty(shape, dtype=torch.float32)`` (no memory behind it) and the small values the
+        loss reads as numbers (sample indices) as ordinary tensors. None (the default): the
+        plan gives no activation or data figures."""
+        return None

@@ -174,22 +174,33 @@ def check_expected(
 ) -> None:
     """``have`` (name -> (dtype, shape)) names exactly ``expected``'s tensors, with their dtypes
     and (global) shapes; else one line saying what differs."""
-    want = {f"{prefix}{k}": v for k, v in expected.items()}
+    why = first_difference(have, {f"{prefix}{k}": v for k, v in expected.items()})
+    if why:
+        raise DataError(f"checkpoint {directory} cannot be loaded into this model: {why}")
+
+
+def first_difference(
+    have: Mapping[str, tuple],
+    want: Mapping[str, torch.Tensor],
+    *,
+    dtypes: bool = True,
+    there: str = "in the checkpoint",
+) -> str | None:
+    """What first differs between ``have`` (name -> (dtype, shape)) and the tensors ``want`` (a
+    missing name, an extra one, a dtype (``dtypes``) or a shape), in words; None if nothing."""
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
-    head = f"checkpoint {directory} cannot be loaded into this model"
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise DataError(f"{head}: it lacks {missing[0]}{more}")
+        return f"it lacks {missing[0]}{more}"
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise DataError(f"{head}: it holds {extra[0]}{more}, which this model does not have")
+        return f"it holds {extra[0]}{more}, which this model does not have"
     for k, t in want.items():
         dtype, shape = have[k]
-        if dtype != t.dtype or tuple(shape) != tuple(t.shape):
-            raise DataError(
-                f"{head}: {k} is {_describe(dtype, shape)} in the checkpoint, {_describe(t.dtype, t.shape)} here"
-            )
+        if (dtypes and dtype != t.dtype) or tuple(shape) != tuple(t.shape):
+            return f"{k} is {_describe(dtype, shape)} {there}, {_describe(t.dtype, t.shape)} here"
+    return None
 
 
 def _describe(dtype, shape) -> str:

@@ -69,3 +69,11 @@ def load_plain(path: Path, what: str | None = None):
         raise
     except Exception as e:  # a truncated, foreign or crafted file
         raise DataError(f"{what or f'checkpoint file {path}'} cannot be read: {first_line(e)}") from None
+
+
+def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """A weights file (``python -m framework.export``): a dict of name -> tensor, loaded without code."""
+    weights = load_plain(path, what=f"{path}: weights")
+    if not isinstance(weights, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in weights.items()):
+        raise DataError(f"{path}: not a weights file (a dict of tensors)")
+    return weights

@@ -91,6 +91,7 @@ class CheckpointManager:
         self._parent: dict | None = None  # the checkpoint the next save descends from (lineage)
         self._verified: dict[Path, Verified] = {}  # verified by resume_path, not loaded yet
         self._reported: set[Path] = set()
+        self._planned: tuple[Path | None] | None = None  # plan_resume's answer, for the next resume_path
 
     # discovery -------------------------------------------------------------------------
     def complete(self) -> list[Path]:
@@ -106,6 +107,13 @@ class CheckpointManager:
             return None
         return found.path if found is not None else None
 
+    def plan_resume(self) -> Path | None:
+        """``resume_path()`` now, before the model is built (the runtime decides on it whether
+        ``checkpoint.init_from`` applies); the next ``resume_path()`` returns it unchanged
+        instead of verifying again."""
+        self._planned = (self.resume_path(),)
+        return self._planned[0]
+
     def resume_path(self) -> Path | None:
         """What ``checkpoint.resume`` names, fully verified by all ranks together.
 
@@ -115,6 +123,9 @@ class CheckpointManager:
         A path: that step directory (a failure is a one-line DataError), or the latest of a
         run or ``checkpoints/`` directory.
         """
+        if self._planned is not None:
+            (path,), self._planned = self._planned, None
+            return path
         if self.cfg.resume == "none":
             return None
         if self.cfg.resume == "latest":
@@ -192,6 +203,8 @@ class CheckpointManager:
         }
         if finite is not None:
             meta["finite"] = bool(finite)
+        if getattr(trainer, "init_from", None):  # where a fine-tuned run started (checkpoint.init_from)
+            meta["init_from"] = trainer.init_from
         parallel = config.get("parallel") if isinstance(config, dict) else None
         world = {"world_size": self.env.world_size, "format": self.backend.format, "parallel": parallel}
         job = _Job(step, tmp, final, meta, world)
@@ -388,6 +401,8 @@ class CheckpointManager:
         if missing:
             raise DataError(f"checkpoint {path} lacks {', '.join(missing)}")
         ckpt_state.restore(trainer, state, exclude=exclude, full=reader.full_state)
+        if meta.get("init_from"):  # kept by the checkpoints to come: the run started from it
+            trainer.init_from = meta["init_from"]
         if "rng" not in exclude:
             self._load_rng(path, meta, state, found.manifest)
         committed = meta.get("committed_ns")

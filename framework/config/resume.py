@@ -11,7 +11,8 @@ keys, e.g. its schema's ``RESUME_RULES``), then :data:`RULES`:
   saved step), the length and cadence of the run (``trainer.*`` but ``name``:
   ``max_steps``, ``log_every``, ``val_every``, ``val_batches``, ``progress``,
   ``grad_clip``, ``grad_accum`` (the global batch is unchanged), ``compile``,
-  ``stop_before_end_min``), ``checkpoint.*``, ``logger.*``, ``cluster.*``, where and how
+  ``stop_before_end_min``), ``checkpoint.*``, ``logger.*``, ``cluster.*``, ``plan.*`` and
+  ``mode`` (what a plan is for), where and how
   data is read (``data.root``: the same data elsewhere; ``data.num_workers``,
   ``data.pin_memory``), the layout (``parallel.*``, ``sharding.*``, ``splitter.*``:
   checkpoints move between layouts), ``precision.*`` (master weights and optimizer state
@@ -52,6 +53,8 @@ RULES: tuple[tuple[str, str, str | None], ...] = (
     ("checkpoint.*", MAY, None),
     ("logger.*", MAY, None),
     ("cluster.*", MAY, None),
+    ("plan.*", MAY, None),
+    ("mode", MAY, None),
     ("parallel.*", MAY, None),
     ("sharding.*", MAY, None),
     ("splitter.*", MAY, None),

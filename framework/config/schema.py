@@ -112,10 +112,16 @@ class CheckpointConfig:
     exclude: list[str] = field(default_factory=list)  # parts not loaded, e.g. [optimizer]
     save_final: bool = True
     io_threads: int = 1  # dcp / dcp_async: writer threads per rank
+    # A fresh run starts from these weights (fine-tuning): a run, checkpoints or step directory,
+    # an exported weights file, or what the task reads besides (Task.init_weights). Not applied
+    # when the run resumes: the checkpoint wins.
+    init_from: str | None = None
 
     def __post_init__(self):
         non_negative(self, "every")
         positive(self, "keep", "io_threads")
+        if self.init_from is not None and not str(self.init_from).strip():
+            raise Invalid("init_from", "is empty (null: start from the model's initialisation)")
         parts = ("model", "optimizer", "schedule", "scaler", "rng", "data")
         bad = [p for p in self.exclude if p not in parts]
         if bad:
@@ -168,6 +174,23 @@ class ClusterConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The machine ``mode=plan`` plans for, and the budget ``parallel=auto`` fits in (docs/plan.md)."""
+
+    world_size: int | None = None  # null: the ranks at hand (torchrun, SLURM; else 1)
+    gpus_per_node: int | None = None  # null: the launcher's local world size, else the GPUs here, else all
+    gpu_memory_gib: float | None = None  # null: the GPU's own memory; on CPU, no limit
+    headroom: float = 0.1  # share of the memory left free (CUDA context, allocator fragmentation)
+
+    def __post_init__(self):
+        for key in ("world_size", "gpus_per_node", "gpu_memory_gib"):
+            if getattr(self, key) is not None:
+                positive(self, key)
+        if not 0 <= self.headroom < 1:
+            raise Invalid("headroom", f"must be in [0, 1) (got {self.headroom})")
+
+
+@dataclass
 class TopConfig:
     """Top-level keys outside any group."""
 
@@ -175,9 +198,11 @@ class TopConfig:
     seed: int = 0
     deterministic: bool = False
     device: str = "auto"  # auto | cpu | cuda
+    mode: str = "train"  # train | plan: print the plan (framework/plan.py) instead of training
 
     def __post_init__(self):
         one_of(self, "device", ("auto", "cpu", "cuda"))
+        one_of(self, "mode", ("train", "plan"))
 
 
 def _store():
@@ -195,6 +220,7 @@ def _store():
         "optim": OptimConfig,
         "schedule": ScheduleConfig,
         "cluster": ClusterConfig,
+        "plan": PlanConfig,
     }.items():
         cs.store(group=f"schema/{group}", name="base", node=node)
 
@@ -207,4 +233,5 @@ FIXED: dict[str, Any] = {
     "parallel": ParallelConfig,
     "optim": OptimConfig,
     "cluster": ClusterConfig,
+    "plan": PlanConfig,
 }

@@ -33,6 +33,7 @@ REGISTRY_GROUPS = {
 }
 GROUPS = tuple(REGISTRY_GROUPS) + tuple(k for k in FIXED if k not in REGISTRY_GROUPS)
 TOP_KEYS = tuple(f.name for f in dataclasses.fields(TopConfig))
+OPTIONAL = ("plan",)  # fixed groups whose schema defaults apply when a config has no node
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class RunConfig:
     device: str
     nodes: dict[str, Any]
     raw: DictConfig  # the composed config, resolved, for logging and checkpoints
+    mode: str = "train"  # train | plan
 
     def __getattr__(self, name):
         nodes = self.__dict__.get("nodes", {})
@@ -110,6 +112,8 @@ def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
 
     schemas: dict[str, type] = {}
     for group in GROUPS:  # first every selection (unknown or not-yet-available options)...
+        if group in OPTIONAL and group not in resolved:
+            resolved[group] = {}  # a primary config of the user's own may leave it out
         node = resolved.get(group)
         if not isinstance(node, DictConfig):
             raise ConfigError(f"{group}: missing config group (choose one with {group}=<option>)")
@@ -127,7 +131,13 @@ def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
         resolved[g] = OmegaConf.merge(OmegaConf.structured(schemas[g]), resolved[g])
 
     run = RunConfig(
-        recipe=top.recipe, seed=top.seed, deterministic=top.deterministic, device=top.device, nodes=nodes, raw=resolved
+        recipe=top.recipe,
+        seed=top.seed,
+        deterministic=top.deterministic,
+        device=top.device,
+        nodes=nodes,
+        raw=resolved,
+        mode=top.mode,
     )
     _check_combinations(run)
     return run

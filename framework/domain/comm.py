@@ -32,12 +32,24 @@ def split_extents(rows: int, parts: int, multiple: int = 1) -> list[int]:
 class DomainGroup:
     """The ranks that split one sample's rows, and every rank's rows at full resolution."""
 
+    dry = False  # see ``dry_run``
+
     def __init__(self, group, extents: list[int]):
         self.group = group
         self.size = len(extents)
         self.rank = dist.get_rank(group) if group is not None else 0
         self.extents = list(extents)
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)] if group is not None else [0]
+        self.halos: list[tuple[tuple, int]] = []  # a dry group's record of its halo exchanges
+
+    @classmethod
+    def dry_run(cls, extents: list[int], rank: int = 0) -> DomainGroup:
+        """Rank ``rank`` of a group that does not exist: collectives move nothing (received rows
+        stay zeros, sums stay local), so one process can trace a rank's step with the right
+        shapes (framework.plan). ``halos`` records each halo exchange's plan and row count."""
+        dg = cls(None, extents)
+        dg.rank, dg.dry, dg.global_ranks = rank, True, list(range(len(extents)))
+        return dg
 
     def extents_like(self, local_rows: int) -> list[int]:
         """Every rank's rows at the resolution where this rank holds ``local_rows``."""
@@ -49,6 +61,10 @@ class DomainGroup:
 
 
 def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], dg: DomainGroup):
+    if dg.dry:  # nothing to talk to: what would be received is zeros
+        for t, _ in recvs:
+            t.zero_()
+        return
     ops = [dist.P2POp(dist.isend, t.contiguous(), dg.global_ranks[p], dg.group) for t, p in sends]
     ops += [dist.P2POp(dist.irecv, t, dg.global_ranks[p], dg.group) for t, p in recvs]
     if ops:
@@ -116,6 +132,8 @@ def halo_rows(x: torch.Tensor, plan, dg: DomainGroup, dim: int = 2) -> torch.Ten
     same plan, and a neighbour must hold at least the rows asked of it."""
     if not any(map(any, plan)):
         return x
+    if dg.dry:
+        dg.halos.append((tuple(map(tuple, plan)), x.shape[dim]))
     return _Halo.apply(x, tuple(map(tuple, plan)), dg, dim)
 
 
@@ -137,14 +155,16 @@ class _AllReduceSum(torch.autograd.Function):
     def forward(ctx, x, dg: DomainGroup):
         ctx.dg = dg
         out = x.clone()
-        dist.all_reduce(out, group=dg.group)
+        if not dg.dry:
+            dist.all_reduce(out, group=dg.group)
         return out
 
     @staticmethod
     def backward(ctx, g):
         # every rank's output is the sum: d(sum)/dx_r collects every rank's gradient
         g = g.clone()
-        dist.all_reduce(g, group=ctx.dg.group)
+        if not ctx.dg.dry:
+            dist.all_reduce(g, group=ctx.dg.group)
         return g, None
 
 
@@ -161,14 +181,18 @@ class _GatherRows(torch.autograd.Function):
         pad_shape = list(x.shape)
         pad_shape[dim] = biggest - x.shape[dim]
         padded = torch.cat([x, x.new_zeros(pad_shape)], dim) if pad_shape[dim] else x.contiguous()
-        parts = [torch.empty_like(padded) for _ in range(dg.size)]
-        dist.all_gather(parts, padded, group=dg.group)  # gloo needs equal sizes: pad, then trim
+        if dg.dry:
+            parts = [padded if r == dg.rank else torch.zeros_like(padded) for r in range(dg.size)]
+        else:
+            parts = [torch.empty_like(padded) for _ in range(dg.size)]
+            dist.all_gather(parts, padded, group=dg.group)  # gloo needs equal sizes: pad, then trim
         return torch.cat([p.narrow(dim, 0, e) for p, e in zip(parts, extents)], dim)
 
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.dg.group)  # every rank used every rank's rows
+        if not ctx.dg.dry:
+            dist.all_reduce(g, group=ctx.dg.group)  # every rank used every rank's rows
         start = sum(ctx.extents[: ctx.dg.rank])
         return g.narrow(ctx.dim, start, ctx.extents[ctx.dg.rank]).contiguous(), None, None
 

@@ -83,6 +83,7 @@ class Trainer:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.step = 0
         self.run_id = uuid.uuid4().hex[:12]
+        self.init_from: dict | None = None  # what checkpoint.init_from loaded (recorded in checkpoints)
         self.flops_per_sample: float | None = None
         self.skipped_steps = 0
         # First step whose loss or gradient norm was not finite (-1: none), kept on the device

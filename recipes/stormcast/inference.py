@@ -8,7 +8,11 @@ forecast, and the diffusion stage samples the residual (EDM Heun sampler) for ev
 member; the members then continue from their own states. Either stage may be given
 alone: regression only (one deterministic member), or diffusion only for a model trained
 without the regression stage (StormScope-style conditions). Models are exported weights
-(``python -m framework.export``), checkpoint directories or run directories.
+(``python -m framework.export``), checkpoint directories, run directories or PhysicsNeMo
+``.mdlus`` files. A .mdlus names no channels: they are those of the other stage when it
+records them, else those of ``--data-config`` (Hydra overrides composed as ``python -m
+framework`` composes them, e.g. ``--data-config recipe=stormcast``: its ``data`` node's
+channel lists and input conventions).
 
 The store holds ``forecast`` (member, time, channel, y, x) and, where the data has the
 hours, ``truth`` (time, channel, y, x), both in physical units, with ``time`` (hours
@@ -52,14 +56,17 @@ def format_time(hours: int) -> str:
 class Forecaster:
     """One autoregressive hour for a batch of members, in normalized units."""
 
-    def __init__(self, regression, diffusion, device, *, precision="fp32", seed=0, sampler=None):
+    def __init__(self, regression, diffusion, device, *, precision="fp32", seed=0, sampler=None, data=None):
+        """``data``: channel lists and input conventions for a .mdlus stage (``data_config``)."""
         from recipes.weather import weights
 
         self.device, self.seed = device, seed
         self.reg = self.reg_info = self.diff = self.diff_info = None
         self.conditions, self.reg_residual = [], False
         if diffusion is not None:
-            self.diff, self.diff_info = weights.load(diffusion, device)
+            data = _stage_data(data, diffusion, regression, "--diffusion")
+            self.diff, self.diff_info = weights.load(diffusion, device, data=data)
+            _check_known(self.diff_info, data, "--diffusion")
             task = self.diff_info.task
             self.conditions, self.residual = list(task["conditions"]), bool(task.get("residual"))
             from recipes.weather.config import SamplerConfig
@@ -73,7 +80,10 @@ class Forecaster:
             if not needs_reg:
                 regression = None
         if regression is not None:
-            self.reg, self.reg_info = weights.load(regression, device)
+            data = data or (weights.recorded_data(self.diff_info) if self.diff_info is not None else None)
+            data = _stage_data(data, regression, None, "--regression")
+            self.reg, self.reg_info = weights.load(regression, device, data=data)
+            _check_known(self.reg_info, data, "--regression")
             if self.reg_info.task.get("name") != "stormcast_regression":
                 raise ConfigError(f"--regression: {regression} holds a {self.reg_info.task.get('name')!r} model")
             self.reg_residual = bool(self.reg_info.task.get("residual"))
@@ -109,6 +119,64 @@ class Forecaster:
                 **self.sampler.kwargs(),
             ).float()
         return reg + sample if self.residual else sample
+
+
+def _stage_data(data, path, other, flag: str) -> dict | None:
+    """The data config a stage at ``path`` is read with: ``data`` if given, else (for a .mdlus,
+    which names no channels) the channels recorded by the ``other`` stage; a ConfigError when a
+    .mdlus has neither."""
+    from recipes.weather import weights
+    from recipes.weather.mdlus import is_mdlus
+
+    if data is not None or not is_mdlus(path):
+        return data
+    if other is not None and not is_mdlus(other):
+        data = weights.recorded_data(weights.describe(other))
+    if data is None:
+        raise ConfigError(
+            f"{flag}: {path} is a PhysicsNeMo .mdlus, which names no channels; name them with "
+            "--data-config (e.g. --data-config recipe=stormcast)"
+        )
+    return data
+
+
+def _check_known(info, data, flag: str) -> None:
+    """A .mdlus stage whose channel counts do not fit ``data``: one line with the numbers."""
+    if data is not None and info.config.get("format") == "physicsnemo":
+        from recipes.weather import weights
+
+        weights.check_channels(info, data, flag, grid=False)
+
+
+def data_config(overrides: list[str]) -> dict:
+    """``--data-config``: the ``data`` node of the config ``python -m framework <overrides>`` would
+    compose: channel lists and input conventions, checked; one ConfigError line on anything else."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from framework.cli import compose
+    from recipes.weather.weights import CHANNEL_KEYS
+
+    cfg = compose(list(overrides))
+    out = {}
+    for key, ok, want in (
+        *(
+            (k, lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v), "a list of names")
+            for k in CHANNEL_KEYS
+        ),
+        ("background_time", lambda v: v in ("input", "target"), "input or target"),
+        ("invariant_norm", lambda v: v in ("zscore", "none"), "zscore or none"),
+        ("dt", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive int"),
+    ):
+        try:
+            value = OmegaConf.select(cfg, f"data.{key}", throw_on_missing=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"--data-config: data.{key}: {str(e).splitlines()[0]}") from None
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if not ok(value):
+            raise ConfigError(f"--data-config: data.{key} must be {want} (got {value!r})")
+        out[key] = value
+    return out
 
 
 def _dataset(root, info, start: int, hours: int):
@@ -209,7 +277,10 @@ def rollout(args) -> Path:
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     sampler = {"num_steps": args.steps} if args.steps else None
-    fc = Forecaster(args.regression, args.diffusion, device, precision=args.precision, seed=args.seed, sampler=sampler)
+    data = data_config(args.data_config) if args.data_config else None
+    fc = Forecaster(
+        args.regression, args.diffusion, device, precision=args.precision, seed=args.seed, sampler=sampler, data=data
+    )
     members = args.members
     if fc.diff is None and members != 1:
         raise ConfigError(f"--members {members}: a regression-only rollout is deterministic; give --diffusion")
@@ -271,11 +342,22 @@ def _frame(frames: Path, name: str, c: int, time: int, lead: int, truth, phys) -
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m recipes.stormcast.inference", description=__doc__.split("\n")[0])
-    ap.add_argument("--diffusion", type=Path, help="the diffusion model: exported .pt, checkpoint or run dir")
+    ap.add_argument("--diffusion", type=Path, help="the diffusion model: exported .pt, checkpoint, run dir or .mdlus")
     ap.add_argument(
-        "--regression", type=Path, help="the regression model (default: the one the diffusion model was trained on)"
+        "--regression",
+        type=Path,
+        help="the regression model: exported .pt, checkpoint, run dir or .mdlus (default: the one the "
+        "diffusion model was trained on)",
     )
     ap.add_argument("--data-root", required=True, help="the HRRR/ERA5 zarr stores (initial state, background)")
+    ap.add_argument(
+        "--data-config",
+        nargs="+",
+        metavar="OVERRIDE",
+        help="for a .mdlus model (which names no channels): Hydra overrides, as for python -m framework "
+        "(e.g. recipe=stormcast, or data=hrrr_era5 data.invariants=[lsm,orog]), whose data node "
+        "names the channels and input conventions",
+    )
     ap.add_argument("--start", required=True, help="initial time, e.g. 2021-06-01T00")
     ap.add_argument("--hours", type=int, default=6, help="hours to roll out (default 6)")
     ap.add_argument("--members", type=int, default=1, help="ensemble members (diffusion only; default 1)")

@@ -80,7 +80,7 @@ class DiffusionTask(RegressionTask):
             from recipes.weather import weights
 
             try:
-                info = weights.describe(cfg.regression)
+                info = weights.describe(cfg.regression, data=data)  # data: the names a .mdlus lacks
             except DataError as e:
                 raise ConfigError(f"task.regression: {e}") from None
             if info.task.get("name") != "stormcast_regression":
@@ -131,7 +131,7 @@ class DiffusionTask(RegressionTask):
         if self._regression is None:
             from recipes.weather import weights
 
-            model, info = weights.load(self.cfg.regression, self.device)
+            model, info = weights.load(self.cfg.regression, self.device, data=self.data_cfg)
             for p in model.parameters():
                 p.requires_grad_(False)
             if self.domain is not None:

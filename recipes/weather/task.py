@@ -5,6 +5,8 @@ The trainer calls ``loss`` and ``val_step``; everything weather-specific lives h
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +21,30 @@ DATA_CONVENTIONS = {"background_time": "target", "invariant_norm": "zscore", "dt
 def data_conventions(spec: dict) -> dict:
     """The input conventions an export spec records (legacy defaults where it records none)."""
     return {**DATA_CONVENTIONS, **(spec.get("data") or {})}
+
+
+def check_init_from(run, path):
+    """The weights ``checkpoint.init_from`` names, described (``recipes.weather.weights``) and checked
+    against ``run``: a model of another task, other channels (a .mdlus: other channel counts) or
+    another ``task.edm.sigma_data`` is a ConfigError line; the grid is left to the shapes."""
+    from framework.checkpoint.init_from import WHAT
+    from recipes.weather import weights
+
+    try:
+        info = weights.describe(path, data=run.data)
+    except DataError as e:
+        raise ConfigError(f"{WHAT}: {e}") from None
+    trained = info.task.get("name")
+    if trained != run.task.name:
+        raise ConfigError(f"{WHAT}: {path} holds a {trained!r} model; this run trains {run.task.name!r}")
+    weights.check_channels(info, run.data, WHAT, grid=False)
+    edm = getattr(run.task, "edm", None)
+    sigma = (info.task.get("edm") or {}).get("sigma_data")
+    if edm is not None and sigma is not None and list(sigma) != list(edm.sigma_data):
+        raise ConfigError(
+            f"{WHAT}: {path} was trained with task.edm.sigma_data={list(sigma)} but this run has {list(edm.sigma_data)}"
+        )
+    return info
 
 
 class RowBand(torch.utils.data.Dataset):
@@ -65,6 +91,9 @@ class RegressionTask(Task):
                 raise ConfigError(
                     f"data.grid: {axis}={n} is not divisible by {factor}, the {run.model.downsample_reason}"
                 )
+        init_from = getattr(run.checkpoint, "init_from", None)
+        if init_from and Path(init_from).exists():  # a missing path is refused only where it would be used
+            check_init_from(run, init_from)
 
     @classmethod
     def domain_rows(cls, run) -> tuple[int, int]:
@@ -113,6 +142,13 @@ class RegressionTask(Task):
             "data": conventions,
             "seed": config.get("seed"),
         }
+
+    @classmethod
+    def export_writers(cls) -> dict:
+        """``python -m framework.export --format physicsnemo``: a PhysicsNeMo .mdlus."""
+        from recipes.weather.mdlus import write_mdlus
+
+        return {"physicsnemo": write_mdlus}
 
     # data --------------------------------------------------------------------------------
     def _dataset(self, years):
@@ -176,6 +212,31 @@ class RegressionTask(Task):
             img_resolution=tuple(self.data_cfg.grid),
         )
 
+    def example_batch(self, batch_size: int, empty) -> dict:
+        """What ``read`` gives for this rank's rows, batched, without reading (framework.plan)."""
+        d = self.data_cfg
+        rows = d.grid[0] if self.rows is None else self.rows.stop - self.rows.start
+        field = lambda names: empty((batch_size, len(names), rows, d.grid[1]))  # noqa: E731
+        return {
+            "state": field(d.hrrr_channels),
+            "target": field(d.hrrr_channels),
+            "background": field(d.era5_channels),
+            "invariants": field(d.invariants),
+            "index": torch.arange(batch_size),  # read as numbers (diffusion keys its draws by them)
+        }
+
+    def init_weights(self, model, path) -> dict:
+        """``checkpoint.init_from``: our formats (the engine's default) or a PhysicsNeMo .mdlus, whose
+        channel names are this run's (a .mdlus records none; their counts must fit)."""
+        from framework.checkpoint.init_from import apply
+        from recipes.weather import weights
+
+        info = check_init_from(self.run, path)
+        if info.config.get("format") != "physicsnemo":
+            return super().init_weights(model, path)
+        n = apply(model, weights._weights(info, model.state_dict()), path)
+        return {"path": str(path), "format": "physicsnemo", "tensors": n}
+
     # steps -------------------------------------------------------------------------------
     def _predict(self, model, batch):
         x = torch.cat([batch["state"], batch["background"], batch["invariants"]], dim=1)
@@ -215,8 +276,6 @@ class RegressionTask(Task):
         Domain ranks hold bands of rows: the fields are gathered (comm.gather_rows) before the
         global rank 0 draws them. Returns {name: png path} on that rank, else {}.
         """
-        from pathlib import Path
-
         if self.domain is not None:
             from framework.domain.comm import gather_rows
 

@@ -1,4 +1,4 @@
-"""Load a trained model for inference or as a frozen stage: from an export or a checkpoint.
+"""Load a trained model for inference or as a frozen stage: from an export, a checkpoint or a .mdlus.
 
 ``path`` may be an exported weights file (``python -m framework.export``; its ``.json``
 lies beside it), one checkpoint directory (``.../checkpoints/step_XXXXXXXX``), a run
@@ -9,6 +9,13 @@ branch). ``describe`` checks it quickly (manifest, sizes, meta.json); ``load`` v
 every checksum and refuses, before reading any tensor, weights whose names, dtypes or
 shapes differ from the model's. The model is rebuilt through the registry from the
 run's own config, so it is exactly the trained architecture.
+
+``path`` may also be a PhysicsNeMo ``.mdlus`` file (``recipes.weather.mdlus``: read as data,
+``weights_only`` only). A .mdlus names no channels and records no input conventions, so
+``describe`` / ``load`` take them from ``data`` (the caller's data config: the run's
+``data`` node, or a dict with the channel lists and ``background_time``, ``invariant_norm``,
+``dt``): the channel lists are recorded when their counts fit the model's, else left None, and
+``check_channels`` then refuses the counts in one line.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from framework.errors import ConfigError, DataError
 
 log = logging.getLogger("framework")
 
+CHANNEL_KEYS = ("hrrr_channels", "era5_channels", "invariants")
+CONVENTION_KEYS = ("background_time", "invariant_norm", "dt")
+
 
 @dataclass
 class ModelInfo:
@@ -32,7 +42,7 @@ class ModelInfo:
     name: str  # the model registry name (songunet, dit)
     model: dict  # the model config node
     task: dict  # the task config node of the training run
-    channels: dict  # hrrr_channels, era5_channels, invariants it was trained on
+    channels: dict  # hrrr_channels, era5_channels, invariants it was trained on (None: unknown, a .mdlus)
     grid: list[int]
     config: dict  # the whole export config (model_config of framework.export)
     checkpoint: Path | None = None  # the checkpoint directory ``path`` resolved to (None: a weights file)
@@ -47,12 +57,61 @@ def _checkpoint(path: Path, *, full: bool):
     return open_checkpoint(path, full=full, warn=log.warning if full else None)
 
 
-def describe(path) -> ModelInfo:
-    """What the model at ``path`` is, from its config alone (no weights read): cheap, for checks."""
+def data_dict(data) -> dict | None:
+    """The channel lists, input conventions and grid of ``data`` (a data config node or a dict) as a
+    dict; the keys ``data`` lacks are left out. None for None."""
+    if data is None:
+        return None
+    get = data.get if isinstance(data, dict) else lambda k: getattr(data, k, None)
+    out = {k: get(k) for k in (*CHANNEL_KEYS, *CONVENTION_KEYS, "grid")}
+    for k in (*CHANNEL_KEYS, "grid"):
+        if out[k] is not None:
+            out[k] = list(out[k])
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def recorded_data(info: ModelInfo) -> dict | None:
+    """The channel lists and input conventions the model at ``info`` was trained with; None
+    when it does not name its channels (a .mdlus described without a data config)."""
+    from recipes.weather.task import data_conventions
+
+    if any(info.channels.get(k) is None for k in CHANNEL_KEYS):
+        return None
+    return {**{k: list(info.channels[k]) for k in CHANNEL_KEYS}, **data_conventions(info.config)}
+
+
+def _model_io(config: dict, channels: dict) -> tuple[int, int]:
+    """(in, out) channels the model of ``config`` has for ``channels``, by its task's rule."""
+    task = registry.tasks.entry(config["task"]["name"]).builder
+    names = {k: list(channels.get(k) or []) for k in CHANNEL_KEYS}
+    return task.model_io(names, config["task"])
+
+
+def _mdlus_config(path: Path, data) -> dict:
+    """The model config of a .mdlus, with the channels and conventions of ``data`` where they fit."""
+    from recipes.weather.mdlus import describe_mdlus
+
+    cfg = describe_mdlus(path)
+    known = data_dict(data)
+    if known is None:
+        return cfg
+    names = {k: list(known.get(k) or []) for k in CHANNEL_KEYS}
+    if _model_io(cfg, names) == (cfg["in_channels"], cfg["out_channels"]):
+        cfg["channels"] = names  # else left unknown: check_channels names the counts
+    cfg["data"] = {k: known[k] for k in CONVENTION_KEYS if k in known}
+    return cfg
+
+
+def describe(path, *, data=None) -> ModelInfo:
+    """What the model at ``path`` is, from its config alone (no weights read): cheap, for checks.
+    ``data``: the caller's data config, for what a .mdlus does not record (see the module doc)."""
     from framework.export import model_config
+    from recipes.weather.mdlus import is_mdlus
 
     path = Path(path)
-    if path.is_file():
+    if is_mdlus(path):
+        cfg, ckpt = _mdlus_config(path, data), None
+    elif path.is_file():
         side = path.with_suffix(".json")
         if not side.is_file():
             raise DataError(f"{path}: no {side.name} beside it (write both with python -m framework.export)")
@@ -68,19 +127,22 @@ def describe(path) -> ModelInfo:
         raise DataError(f"{path}: no such file or directory")
     if not cfg.get("task") or not cfg.get("channels"):
         raise DataError(f"{path}: its config names no task or channels (exported by an older version?)")
+    if not isinstance(cfg["task"], dict) or not isinstance(cfg["task"].get("name"), str):
+        raise DataError(f"{path}: its config has no task name")
     return ModelInfo(
         path, cfg["name"], cfg["model"], cfg["task"], cfg["channels"], list(cfg["img_resolution"]), cfg, ckpt
     )
 
 
 def _weights(info: ModelInfo, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if info.path.is_file():
-        from framework.checkpoint.io import load_plain
+    if info.config.get("format") == "physicsnemo":
+        from recipes.weather.mdlus import read_mdlus
 
-        weights = load_plain(info.path, what=f"{info.path}: weights")
-        if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-            raise DataError(f"{info.path}: not a weights file (a dict of tensors)")
-        return weights
+        return read_mdlus(info.path)[1]  # every name and shape checked against the model of its args.json
+    if info.path.is_file():
+        from framework.checkpoint.io import load_weights_file
+
+        return load_weights_file(info.path)
     from framework.export import model_weights
 
     ckpt, verified = _checkpoint(info.path, full=True)
@@ -109,9 +171,10 @@ def build(info: ModelInfo) -> torch.nn.Module:
     return wrap(net, info.task) if wrap is not None else net
 
 
-def load(path, device="cpu") -> tuple[torch.nn.Module, ModelInfo]:
-    """The trained model at ``path`` in eval mode with its weights, and what it is."""
-    info = describe(path)
+def load(path, device="cpu", *, data=None) -> tuple[torch.nn.Module, ModelInfo]:
+    """The trained model at ``path`` in eval mode with its weights, and what it is (``data``: see
+    ``describe``)."""
+    info = describe(path, data=data)
     model = build(info)
     weights = _weights(info, model.state_dict())
     missing, unexpected = model.state_dict().keys() - weights.keys(), weights.keys() - model.state_dict().keys()
@@ -129,11 +192,28 @@ def load(path, device="cpu") -> tuple[torch.nn.Module, ModelInfo]:
     return model.to(device).eval(), info
 
 
-def check_channels(info: ModelInfo, data, what: str) -> None:
-    """A ConfigError naming the first channel list or grid that differs from ``data``'s."""
-    for key in ("hrrr_channels", "era5_channels", "invariants"):
-        want, have = list(getattr(data, key)), list(info.channels.get(key) or [])
+def check_channels(info: ModelInfo, data, what: str, *, grid: bool = True) -> None:
+    """A ConfigError naming the first channel list or grid (``grid``, when ``data`` has one) that
+    differs from ``data``'s (a config node or a dict). A list the model does not record (None: a
+    .mdlus) is not compared, but the channel counts ``data`` makes must be the model's."""
+    known = data_dict(data) or {}
+    unknown = False
+    for key in CHANNEL_KEYS:
+        have = info.channels.get(key)
+        if have is None:
+            unknown = True
+            continue
+        want, have = list(known.get(key) or []), list(have)
         if want != have:
             raise ConfigError(f"{what}: {info.path} was trained with {key}={have} but data.{key} is {want}")
-    if list(data.grid) != list(info.grid):
-        raise ConfigError(f"{what}: {info.path} was trained on grid {info.grid} but data.grid is {list(data.grid)}")
+    if unknown:
+        want = _model_io(info.config, known)
+        have = (info.config["in_channels"], info.config["out_channels"])
+        if want != have:
+            counts = ", ".join(f"{len(known.get(k) or [])} {k}" for k in CHANNEL_KEYS)
+            raise ConfigError(
+                f"{what}: {info.path} maps {have[0]} -> {have[1]} channels but the data config's "
+                f"channels ({counts}) make {want[0]} -> {want[1]}"
+            )
+    if grid and "grid" in known and known["grid"] != list(info.grid):
+        raise ConfigError(f"{what}: {info.path} was trained on grid {info.grid} but data.grid is {known['grid']}")

@@ -110,6 +110,20 @@ def test_one_rank_domain_pads_with_zeros_and_reductions_are_identities():
     assert all_reduce_sum(x, dg) is x and gather_rows(x, dg) is x
 
 
+def test_a_dry_group_plays_one_rank_with_the_right_shapes_and_records_its_halos():
+    """What framework.plan traces with: no process group, no data moved, shapes as on rank 1."""
+    dg = DomainGroup.dry_run([6, 4, 4], rank=1)
+    assert dg.dry and dg.rank == 1 and dg.extents_like(2) == [3, 2, 2]
+    x = torch.randn(2, 3, 4, 5, requires_grad=True)
+    y = halo_exchange(x, 1, dg)
+    assert y.shape == (2, 3, 6, 5) and torch.equal(y[:, :, 1:5], x) and not y[:, :, [0, 5]].any()
+    assert dg.halos == [(((1, 1),) * 3, 4)]
+    assert torch.equal(all_reduce_sum(x, dg), x)
+    assert torch.equal(gather_rows(x, dg), F.pad(x, (0, 0, 6, 4)))  # own rows in place, zeros elsewhere
+    y.sum().backward()  # the backward sends nothing either
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
 def test_extents_at_coarser_levels():
     dg = DomainGroup(None, [32, 16, 16])
     for rank, want in enumerate(([8, 4, 4], [8, 4, 4], [8, 4, 4])):
