@@ -605,8 +605,7 @@ def _song_to_ref(key: str, rows: int) -> str:
     m = _SONG_LEVEL.match(key)
     if m:
         part, res, rest = m.groups()
-        rest = rest.replace(".attn.norm.", ".attn.norm2.")
-        return f"{part}.{res}x{res}_{rest}"
+        return f"{part}.{res}x{res}_{rest}"  # attention under attn.{norm,qkv,proj}, as PhysicsNeMo 2.x has it
     return key
 
 
@@ -621,8 +620,8 @@ def _song_from_ref(key: str, rows: int) -> str:
         part, res, _, rest = m.groups()
         legacy = _EDM_ATTN.match(rest)
         if legacy:  # EDM / older PhysicsNeMo: norm2, qkv, proj directly on the block
-            rest = f"{legacy.group(1)}.attn.{legacy.group(2)}.{legacy.group(3)}"
-        rest = rest.replace(".attn.norm2.", ".attn.norm.")
+            name = "norm" if legacy.group(2) == "norm2" else legacy.group(2)
+            rest = f"{legacy.group(1)}.attn.{name}.{legacy.group(3)}"
         return f"{part}.{res}_{rest}"
     return key
 

@@ -113,5 +113,6 @@ def test_degrees_that_do_not_match_the_world_exit_2(tmp_path):
     )
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 2 and all("cannot fill 2 ranks" in ln for ln in errors)  # one line per rank
+    # One line per rank that got that far: torchrun stops the peers of the first rank to exit.
+    assert 1 <= len(errors) <= 2 and all("cannot fill 2 ranks" in ln for ln in errors), proc.stderr
     assert "framework/" not in proc.stderr  # no traceback of ours (torchrun reports the exit on its own)

@@ -44,7 +44,7 @@ SONG = dict(
 
 def ref_song_name(key: str, rows: int) -> str:
     """Our SongUNet name -> PhysicsNeMo's: spatial_emb, {R}x{R} levels, dec.{H}x{H}_aux_norm/_aux_conv
-    for the output head, attention GroupNorm ``attn.norm2``."""
+    for the output head; the attention keeps its ``attn.{norm,qkv,proj}`` names (PhysicsNeMo 2.x)."""
     if key == "pos_embed.weight":
         return "spatial_emb"
     if key.startswith("out_norm."):
@@ -53,7 +53,7 @@ def ref_song_name(key: str, rows: int) -> str:
         return f"dec.{rows}x{rows}_aux_conv." + key[len("out_conv.") :]
     m = re.match(r"^(enc|dec)\.(\d+)_(.*)$", key)
     if m:
-        return f"{m[1]}.{m[2]}x{m[2]}_" + m[3].replace(".attn.norm.", ".attn.norm2.")
+        return f"{m[1]}.{m[2]}x{m[2]}_" + m[3]
     return key
 
 
@@ -388,7 +388,7 @@ def test_legacy_edm_attention_names_are_read(tmp_path):
     """EDM's own layout keeps a block's attention GroupNorm/qkv/proj on the block (norm2, qkv, proj)."""
     model = regression_model()
     sd, args, meta = regression_archive(model)
-    sd = {re.sub(r"\.attn\.(norm2|qkv|proj)\.", r".\1.", k): v for k, v in sd.items()}
+    sd = {re.sub(r"\.attn\.(qkv|proj)\.", r".\1.", k.replace(".attn.norm.", ".norm2.")): v for k, v in sd.items()}
     assert any(".norm2." in k and ".attn." not in k for k in sd)
     _, weights, _ = loaded(save_like_physicsnemo(tmp_path / "edm.mdlus", sd, args, meta))
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
@@ -557,7 +557,7 @@ def test_name_mapping_is_one_to_one_for_the_paper_models(kind):
         rows = grid[0]
         assert all(names[k].endswith(ref_song_name(k.removeprefix("net."), rows)) for k in keys if k != "sigma_data")
         assert f"{'model.' if kind == 'regression' else 'model.model.'}dec.512x512_aux_conv.weight" in names.values()
-        assert any(".attn.norm2." in n for n in names.values())  # the bottleneck's attention
+        assert any(".attn.norm." in n for n in names.values())  # the bottleneck's attention
     else:
         assert all(names[k] == "model.model." + ref_dit_name(k[4:]) for k in keys if k != "sigma_data")
 
