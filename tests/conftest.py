@@ -30,23 +30,19 @@ def compose():
     return _compose
 
 
+def framework_command(nproc: int = 1) -> list[str]:
+    """``python -m framework``, under torchrun on one host when ``nproc`` > 1."""
+    if nproc == 1:
+        return [sys.executable, "-m", "framework"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*torchrun, "-m", "framework"]
+
+
 def run_cli(args, cwd, env=None, timeout=600, nproc=1):
     """Run ``python -m framework`` as a user would (under torchrun for ``nproc`` > 1); returns the
     CompletedProcess. The checkout is on PYTHONPATH (after any PYTHONPATH in ``env``), so a run
     from any ``cwd`` imports this tree."""
-    launcher = (
-        [sys.executable, "-m", "framework"]
-        if nproc == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "framework",
-        ]
-    )
+    launcher = framework_command(nproc)
     env = dict(env or {})
     # the caller's PYTHONPATH first (a test may shadow a package), then this checkout
     path = os.pathsep.join(filter(None, [env.pop("PYTHONPATH", None), str(REPO), os.environ.get("PYTHONPATH")]))

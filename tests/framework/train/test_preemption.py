@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from framework.logging.jsonl import read
-from tests.conftest import tiny_overrides
+from tests.conftest import framework_command, tiny_overrides
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,19 +34,7 @@ def _overrides(tmp_path, run, **extra):
 
 def _launch(args, nproc, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = (
-        [sys.executable, "-m", "framework"]
-        if nproc == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "framework",
-        ]
-    )
+    cmd = framework_command(nproc)
     return subprocess.Popen(
         [*cmd, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
