@@ -23,6 +23,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import NoReturn, cast
 
 from framework.config import resolvers
 from framework.config.compose import CONF_DIR, Source, hydra_message  # noqa: F401  (CONF_DIR: tests, tools)
@@ -31,7 +32,7 @@ from framework.errors import EXIT_INTERRUPTED, ConfigError, FrameworkError
 MAX_SWEEP_VARIANTS = 64  # compositions a --multirun precheck makes at most
 
 
-def fail(e: FrameworkError) -> None:
+def fail(e: FrameworkError) -> NoReturn:
     print(f"{getattr(e, 'prefix', 'error')}: {one_line(e)}", file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
 
@@ -152,7 +153,8 @@ def _check_recorded_overrides(h, passed: list[str]) -> None:
     want_task = [o.input_line for o in parsed if not o.is_hydra_override()]
     from omegaconf import OmegaConf
 
-    recorded = OmegaConf.to_container(h.overrides, resolve=False)  # as Hydra reads them back: unresolved
+    # as Hydra reads them back: unresolved; a mapping (Hydra's OverridesConf)
+    recorded = cast(dict, OmegaConf.to_container(h.overrides, resolve=False))
     if recorded.get("hydra") != want_hydra or recorded.get("task") != want_task:
         raise ConfigError(
             "hydra.overrides: set by a config file; it is Hydra's record of the command line and cannot be set"
@@ -166,7 +168,11 @@ def _primary_searchpath(primary: Path | None) -> list[str]:
 
     raw = OmegaConf.load(str(primary))
     sp = OmegaConf.select(raw, "hydra.searchpath", default=None) if isinstance(raw, DictConfig) else None
-    return [str(x) for x in OmegaConf.to_container(sp, resolve=False)] if sp is not None else []
+    if sp is None:
+        return []
+    entries = OmegaConf.to_container(sp, resolve=False)
+    assert isinstance(entries, list)  # Hydra's schema: composing this file refused any other type
+    return [str(x) for x in entries]
 
 
 def _compose_variants(source: Source, overrides: list[str], multirun: bool):
@@ -185,7 +191,11 @@ def _compose_variants(source: Source, overrides: list[str], multirun: bool):
         return
     from omegaconf import OmegaConf
 
-    params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=False) if cfg.hydra.sweeper.get("params") else {}
+    params = (  # the basic sweeper's params: a mapping
+        cast(dict, OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=False))
+        if cfg.hydra.sweeper.get("params")
+        else {}
+    )
     sweep = [f"{k}={v}" for k, v in (params or {}).items()] + list(overrides)
     if params:
         first = _firsts(sweep, source)

@@ -22,6 +22,7 @@ from framework.distributed import env as dist_env
 from framework.distributed import mesh as mesh_mod
 from framework.distributed import precision as precision_mod
 from framework.errors import ConfigError, DistributedError
+from framework.logging import Sink
 from framework.logging.console import ConsoleSink
 from framework.logging.jsonl import JsonlSink
 from framework.task import Task
@@ -153,7 +154,7 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
     optimizer = optim_mod.build(run.optim, model.parameters())
     scheduler = schedule_mod.build(run.schedule, optimizer, run.trainer.max_steps)
 
-    sinks = []
+    sinks: list[Sink] = []
     if env.is_main:
         sinks = [
             JsonlSink(run_dir / "metrics.jsonl"),

@@ -156,7 +156,7 @@ def for_checkpoint(directory: Path, meta: dict | None = None, *, prefer=None) ->
     return for_format(detect_format(directory, meta), prefer=prefer, what=f"checkpoint {directory}")
 
 
-def plain_weights(weights: Mapping, directory: Path, expected: Mapping[str, torch.Tensor] | None) -> dict:
+def plain_weights(weights: object, directory: Path, expected: Mapping[str, torch.Tensor] | None) -> dict:
     """Check a model state dict read from ``directory`` (tensors only; ``expected``'s names,
     dtypes and shapes) and return plain contiguous CPU copies."""
     if not isinstance(weights, Mapping) or not weights:

@@ -267,10 +267,11 @@ def check_complete(directory: Path, manifest: dict | None = None):
             )
         if not _natural(offset) or not _natural(length):
             raise DataError(f"checkpoint {directory} is corrupt: {METADATA} has a bad offset or length for {fqn}")
-        if getattr(info, "transform_descriptors", None):
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms:
             raise DataError(
                 f"checkpoint {directory} is refused: {fqn} is stored through transforms "
-                f"{list(info.transform_descriptors)}, which this framework never writes"
+                f"{list(transforms)}, which this framework never writes"
             )
         need[rel] = max(need.get(rel, 0), offset + length)
     for rel, size in sorted(need.items()):

@@ -67,7 +67,7 @@ class AsyncDcpBackend(DcpBackend):
 
     def __init__(self, io_threads: int = 1):
         super().__init__(io_threads)
-        self._stager = None
+        self._stager: _Stager | None = None
         self._group = None
 
     def _coordination_group(self):

@@ -22,17 +22,27 @@ or running inference) accept a step directory (that checkpoint), a
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 from framework.checkpoint.manifest import MANIFEST, META
 from framework.errors import DataError
 
 STEP = re.compile(r"^(?:\.old-)?step_(\d{8})$")
-UNKNOWN = object()  # parent not recorded (an older checkpoint, or unreadable metadata)
+
+
+class _Unknown(enum.Enum):
+    # a one-member enum, not object(): type checkers narrow ``link is UNKNOWN``
+    UNKNOWN = "unknown"
+
+
+UNKNOWN: Final = _Unknown.UNKNOWN  # parent not recorded (an older checkpoint, or unreadable metadata)
+Link = tuple[str, int]  # a parent checkpoint: its canonical name, its committed_ns
 
 
 @dataclass
@@ -44,7 +54,7 @@ class Entry:
     committed_ns: int
     meta: dict | None = None
     problem: str | None = None  # meta.json / manifest.json unreadable: corrupt
-    parent: object = field(default=UNKNOWN, repr=False)
+    parent: Link | None | _Unknown = field(default=UNKNOWN, repr=False)
 
     @property
     def name(self) -> str:
@@ -79,7 +89,7 @@ def checkpoints_dir(path: Path) -> Path | None:
     return None
 
 
-def _link(value):
+def _link(value) -> Link | None | _Unknown:
     if value is None:
         return None
     if isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("committed_ns"), int):
@@ -119,7 +129,7 @@ def entry(path: Path, *, any_name: bool = False) -> Entry | None:
             break
     if order is None:  # an old checkpoint without committed_ns, or unreadable metadata
         order = (path / META).stat().st_mtime_ns if (path / META).is_file() else path.stat().st_mtime_ns
-    parent = UNKNOWN
+    parent: Link | None | _Unknown = UNKNOWN
     for source in (meta, manifest):
         if isinstance(source, dict) and "parent" in source:
             parent = _link(source["parent"])
@@ -151,7 +161,8 @@ def lineage(entries: list[Entry]) -> list[Entry]:
     if not entries:
         return []
     by_key = {e.key: e for e in entries}
-    out, seen, cur = [], set(), entries[-1]
+    out, seen = [], set()
+    cur: Entry | None = entries[-1]
     while cur is not None and id(cur) not in seen:
         out.append(cur)
         seen.add(id(cur))
@@ -170,11 +181,11 @@ def lineage(entries: list[Entry]) -> list[Entry]:
 
 
 def latest(
-    root: Path, check: Callable[[Entry], None], *, warn: Callable[[str], None] | None = None, what: str = "latest"
+    root: Path, check: Callable[[Entry], object], *, warn: Callable[[str], None] | None = None, what: str = "latest"
 ) -> Entry | None:
     """The newest committed checkpoint of the lineage under ``root`` that ``check`` accepts
-    (``check`` raises DataError to refuse one). None when there is no committed checkpoint at
-    all; a DataError when there are some and none is usable."""
+    (``check`` raises DataError to refuse one; what it returns is ignored). None when there
+    is no committed checkpoint at all; a DataError when there are some and none is usable."""
     entries = scan(root)
     if not entries:
         return None
@@ -209,7 +220,7 @@ class Located:
     explicit: bool  # a step directory was named (a failed check is an error, no fallback)
 
 
-def locate(path: Path, check: Callable[[Entry], None], *, warn=None, what: str = "checkpoint") -> Located:
+def locate(path: Path, check: Callable[[Entry], object], *, warn=None, what: str = "checkpoint") -> Located:
     """The checkpoint ``path`` names: a step directory itself (checked; a failure raises), or
     the latest of a ``checkpoints/`` or run directory. One-line DataError when there is none."""
     path = Path(path)

@@ -42,7 +42,7 @@ from pathlib import Path
 from framework.checkpoint import locator
 from framework.checkpoint import manifest as manifest_mod
 from framework.checkpoint import state as ckpt_state
-from framework.checkpoint.backend import Verified, for_checkpoint, read_meta  # noqa: F401  (read_meta: API)
+from framework.checkpoint.backend import PendingSave, Verified, for_checkpoint, read_meta  # noqa: F401  (read_meta: API)
 from framework.checkpoint.io import first_line, fsync_dir, load_plain, save_durable, write_durable
 from framework.checkpoint.manifest import MANIFEST
 from framework.config.schema import CheckpointConfig
@@ -50,6 +50,7 @@ from framework.errors import ConfigError, DataError, DistributedError, Framework
 
 log = logging.getLogger("framework")
 
+_DcpFailure: type[BaseException]
 try:  # DCP's failures are BaseExceptions
     from torch.distributed.checkpoint.api import CheckpointException as _DcpFailure
 except ImportError:  # pragma: no cover
@@ -86,7 +87,7 @@ class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, backend, run_dir: Path, env, barrier=lambda: None):
         self.cfg, self.backend, self.env, self.barrier = cfg, backend, env, barrier
         self.root = Path(run_dir) / "checkpoints"
-        self._inflight: tuple[_Job, object, Future | None] | None = None
+        self._inflight: tuple[_Job, PendingSave, Future | None] | None = None
         self._committer: ThreadPoolExecutor | None = None
         self._parent: dict | None = None  # the checkpoint the next save descends from (lineage)
         self._verified: dict[Path, Verified] = {}  # verified by resume_path, not loaded yet
@@ -149,7 +150,8 @@ class CheckpointManager:
         gets the same outcome: the Verified, or the first rank's DataError."""
         path = Path(path)
         share = (self.env.rank, self.env.world_size) if collective else (0, 1)
-        found, err = None, None
+        found: Verified | None = None
+        err: str | None = None
         try:
             found = for_checkpoint(path, prefer=self.backend).verify(path, full=full, share=share)
         except DataError as e:
@@ -160,6 +162,7 @@ class CheckpointManager:
             err = self._agree(err)
         if err:
             raise DataError(err)
+        assert found is not None  # verify returned (no rank reported an error)
         if collective:
             self._verified[path.resolve()] = found
         return found
@@ -208,6 +211,7 @@ class CheckpointManager:
         parallel = config.get("parallel") if isinstance(config, dict) else None
         world = {"world_size": self.env.world_size, "format": self.backend.format, "parallel": parallel}
         job = _Job(step, tmp, final, meta, world)
+        local: str | None = None  # this rank's save failure
         try:
             if self.env.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -219,8 +223,6 @@ class CheckpointManager:
         except _ERRORS as e:
             self._fail(job, e)  # a peer's failure or a timeout: exit 5 at once
             pending, local = None, _failed(job, e)
-        else:
-            local = None
         if pending is not None:  # asynchronous: committed once written everywhere
             committer = None
             if self.env.is_main:  # the commit (manifest, rename, prune) runs off the training loop too

@@ -120,12 +120,12 @@ def digest_files(
     sizes = {n: (directory / n).stat().st_size for n in names}
     items = [(n, o, ln) for n in names for o, ln in _chunks(sizes[n], chunk)]
     digests = _map(lambda n, o, ln: hash_range(directory / n, o, ln, algorithm), items, threads or workers())
-    out = {n: {"size": sizes[n], "chunks": []} for n in names}
+    chunks: dict[str, list[str]] = {n: [] for n in names}
     for (n, _, _), d in zip(items, digests):
         if d is None:
             raise OSError(f"{directory / n} changed while it was hashed")
-        out[n]["chunks"].append(d)
-    return out
+        chunks[n].append(d)
+    return {n: {"size": sizes[n], "chunks": chunks[n]} for n in names}
 
 
 def files_of(directory: Path) -> list[str]:

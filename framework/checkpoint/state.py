@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,7 +110,7 @@ def template(t, exclude=()) -> dict:
     there is something to load into; it is skipped when the optimizer is excluded.
     """
     opts = StateDictOptions(full_state_dict=False)
-    out = {}
+    out: dict[str, Any] = {}  # model and optimizer state dicts differ in shape
     if "model" not in exclude:
         out["model"] = get_model_state_dict(t.model, options=opts)
     if "optimizer" not in exclude:

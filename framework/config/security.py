@@ -36,7 +36,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -426,7 +426,7 @@ def check_targets_unresolved(node: Any, allowed: tuple[str, ...] | None, path: s
         if node._is_none() or node._is_missing() or node._is_interpolation():
             return
         for key in node.keys():
-            sub = f"{path}.{key}" if path else str(key)
+            sub = f"{path}.{key!s}" if path else str(key)  # !s: a key may be any DictKeyType
             child = node._get_node(key)
             if key == "_target_":
                 raw = child._value() if child is not None else None
@@ -522,7 +522,7 @@ class Presets:
             for sub, allowed in found.items():
                 node = OmegaConf.select(raw, f"hydra.{sub}") if isinstance(raw, DictConfig) else None
                 if isinstance(node, DictConfig):
-                    for k, v in OmegaConf.to_container(node, resolve=False).items():
+                    for k, v in cast(dict, OmegaConf.to_container(node, resolve=False)).items():
                         allowed.setdefault(str(k), []).append(v)
         return cls(found["launcher"], found["job.env_set"], found["callbacks"])
 
@@ -597,10 +597,12 @@ def _check_refs(node: Any, path: str, trust: Trust) -> None:
     if isinstance(node, (DictConfig, ListConfig)) and not node._is_interpolation():
         if node._is_none() or node._is_missing():
             return
-        keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
-        for k in keys:
-            sub = f"{path}.{k}" if isinstance(node, DictConfig) else f"{path}[{k}]"
-            _check_refs(node._get_node(k), sub, trust)
+        if isinstance(node, DictConfig):
+            for k in node.keys():
+                _check_refs(node._get_node(k), f"{path}.{k!s}", trust)
+        else:
+            for i in range(len(node)):
+                _check_refs(node._get_node(i), f"{path}[{i}]", trust)
         return
     raw = node._value() if hasattr(node, "_value") else node
     if not isinstance(raw, str) or "${" not in raw:
@@ -645,6 +647,7 @@ def _resolve_all_but(h: DictConfig, skip: tuple[str, ...]) -> dict:
         if key in skip or key in ("help", "hydra_help", "overrides", "runtime"):
             continue
         node = h._get_node(key)
+        assert node is not None  # key is one of h's keys
         try:
             out[key] = (
                 OmegaConf.to_container(node, resolve=True)
@@ -667,7 +670,7 @@ def _check_callbacks(
         return
     if not isinstance(callbacks, dict):
         raise ConfigError("hydra.callbacks: must be a mapping of callbacks")
-    raw = OmegaConf.to_container(h.callbacks, resolve=False)
+    raw = cast(dict, OmegaConf.to_container(h.callbacks, resolve=False))  # h.callbacks resolved to a dict: a DictConfig
     for name, cb in callbacks.items():
         if raw.get(name) in presets.callbacks.get(str(name), []):
             continue  # the framework's own
@@ -706,7 +709,7 @@ def _check_launcher(launcher: Any, h: DictConfig, trust: Trust, presets: Presets
             f"{key}: launcher '{target}' is not allowed; only Hydra's basic launcher, "
             "hydra_plugins.hydra_submitit_launcher.* or one listed in trust.hydra_targets"
         )
-    raw = OmegaConf.to_container(h.launcher, resolve=False)
+    raw = cast(dict, OmegaConf.to_container(h.launcher, resolve=False))  # resolved to a mapping: a DictConfig
     for field, value in launcher.items():
         path = f"hydra.launcher.{field}"
         if field == "_target_" or field in trust.launcher_fields:
@@ -717,7 +720,9 @@ def _check_launcher(launcher: Any, h: DictConfig, trust: Trust, presets: Presets
             preset_pairs = [
                 (k, v) for d in presets.launcher.get(field, []) if isinstance(d, dict) for k, v in d.items()
             ]
-            raw_params = raw.get(field) if isinstance(raw.get(field), dict) else {}
+            raw_params = raw.get(field)
+            if not isinstance(raw_params, dict):
+                raw_params = {}
             for k, v in value.items():
                 name = str(k).replace("-", "_")
                 if (k, raw_params.get(k)) not in preset_pairs and name not in SAFE_SBATCH:
@@ -730,11 +735,13 @@ def _check_launcher(launcher: Any, h: DictConfig, trust: Trust, presets: Presets
                 _scalar_ok(f"{path}.{k}", v)
         elif field == "srun_args" and (value is None or isinstance(value, list)):
             preset_args = [a for lst in presets.launcher.get(field, []) if isinstance(lst, list) for a in lst]
-            raw_args = raw.get(field) if isinstance(raw.get(field), list) else []
+            raw_args = raw.get(field)
+            if not isinstance(raw_args, list):
+                raw_args = []
             for i, arg in enumerate(value or []):
                 _scalar_ok(f"{path}[{i}]", arg)
-                name = str(arg)[2:].split("=", 1)[0].replace("-", "_") if str(arg).startswith("--") else None
-                if (raw_args[i] if i < len(raw_args) else arg) not in preset_args and name not in SAFE_SRUN:
+                option = str(arg)[2:].split("=", 1)[0].replace("-", "_") if str(arg).startswith("--") else None
+                if (raw_args[i] if i < len(raw_args) else arg) not in preset_args and option not in SAFE_SRUN:
                     raise ConfigError(
                         f"{path}[{i}]: srun option '{arg}' is not allowed (only options such as "
                         "--cpu-bind=...; one that runs a program or sets the environment needs "
@@ -755,7 +762,7 @@ def _check_env_set(env_set: Any, h: DictConfig, trust: Trust, presets: Presets) 
     if not env_set:
         return
     copied = set(OmegaConf.select(h, "job.env_copy", default=[]) or [])
-    raw = OmegaConf.to_container(h.job.env_set, resolve=False)
+    raw = cast(dict, OmegaConf.to_container(h.job.env_set, resolve=False))  # a mapping (Hydra's schema): a DictConfig
     for k in env_set:
         if k in trust.env_set or k in copied or raw.get(k) in presets.env_set.get(str(k), []):
             continue

@@ -100,12 +100,13 @@ def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"{key or 'config'}: {_first_line(e)}") from None
+    assert isinstance(plain, dict)  # a DictConfig converts to a dict
     plain.pop("hydra", None)
     plain.pop("trust", None)  # checked against the primary config file by framework.cli
     check_targets_resolved(plain, allowed)  # also the _target_s an interpolation produced
     resolved = OmegaConf.create(plain)
 
-    unknown = [k for k in resolved.keys() if k not in GROUPS and k not in TOP_KEYS]
+    unknown = [str(k) for k in resolved.keys() if k not in GROUPS and k not in TOP_KEYS]
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown top-level key; valid keys: " + ", ".join(sorted(GROUPS + TOP_KEYS)))
     top = _typed("", TopConfig, OmegaConf.create({k: resolved[k] for k in TOP_KEYS if k in resolved}))
@@ -121,7 +122,10 @@ def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
             name = node.get("name")
             if name is None:
                 raise ConfigError(f"{group}.name: missing value")
-            schemas[group] = REGISTRY_GROUPS[group].entry(str(name)).schema
+            schema = REGISTRY_GROUPS[group].entry(str(name)).schema
+            if schema is None:  # registered without one: nothing to check the node against
+                raise ConfigError(f"{group}.name: {name!r} is registered without a config schema")
+            schemas[group] = schema
         else:
             schemas[group] = FIXED[group]
     # ...then every value against its schema.

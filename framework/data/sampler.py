@@ -34,7 +34,8 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
         self.seed, self.shuffle = seed, shuffle
         self.step = start_step
         self.steps_per_epoch = num_samples // global_batch  # the remainder is dropped
-        self._epoch, self._perm = None, None
+        self._epoch: int | None = None  # the epoch _perm belongs to; None: none yet
+        self._perm: list[int] = []
 
     def global_batch_indices(self, step: int) -> list[int]:
         epoch, k = divmod(step, self.steps_per_epoch)

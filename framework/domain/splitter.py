@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TypeVar, cast
 
 import torch.nn as nn
 
@@ -30,6 +31,7 @@ from framework.errors import ConfigError
 
 Rule = Callable[[nn.Module, DomainGroup], None]
 """``convert(module, dg)``: split ``module`` in place for ``dg`` (or raise ConfigError)."""
+M = TypeVar("M", bound=nn.Module)
 
 # Spatial torch layers without a rule: their result would silently differ when split.
 _SPATIAL = (
@@ -76,7 +78,7 @@ class SplitPlan:
                 f"(it already has {what}); a plan names each class once"
             )
 
-    def rule(self, cls: type, convert: Rule, *, subtree: bool = False) -> SplitPlan:
+    def rule(self, cls: type[M], convert: Callable[[M, DomainGroup], None], *, subtree: bool = False) -> SplitPlan:
         """This plan plus: modules of exactly ``cls`` are split by ``convert(module, dg)``.
 
         ``subtree``: the rule answers for the module's descendants too; the splitter then
@@ -85,7 +87,7 @@ class SplitPlan:
         self._check_new(cls)
         return SplitPlan(
             self.name,
-            {**self.rules, cls: convert},
+            {**self.rules, cls: cast(Rule, convert)},  # only ever called on modules of exactly cls
             self.subtree | {cls} if subtree else self.subtree,
             self.local_classes,
         )
@@ -116,7 +118,7 @@ def swap_class(module: nn.Module, mixin: type, dg: DomainGroup, **attrs) -> None
     """Give ``module`` the domain-parallel behaviour of ``mixin``, keeping its state."""
     base = type(module)
     module.__class__ = type(f"Domain{base.__name__}", (mixin, base), {})
-    module._domain = dg
+    module._domain = dg  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors/modules only
     for k, v in attrs.items():
         setattr(module, k, v)
 

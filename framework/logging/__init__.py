@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from framework import registry
 from framework.config.schema import LoggerConfig
+
+
+class Sink(Protocol):
+    """What the trainer calls on every sink; ``start``, ``advance`` and ``log_images`` are
+    optional (looked up with hasattr)."""
+
+    def log(self, row: dict) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @registry.loggers.register("console", LoggerConfig)

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from framework.errors import ConfigError
+
+if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
 
 
 def _hydra_labels() -> tuple[str | None, str | None]:
@@ -20,7 +24,7 @@ def _hydra_labels() -> tuple[str | None, str | None]:
         if not HydraConfig.initialized():
             return None, None
         hc = HydraConfig.get()
-        sweep = Path(hc.sweep.dir).name if hc.mode.name == "MULTIRUN" else None
+        sweep = Path(hc.sweep.dir).name if hc.mode is not None and hc.mode.name == "MULTIRUN" else None
         return hc.job.override_dirname or None, sweep
     except Exception:
         return None, None
@@ -33,7 +37,7 @@ class WandbSink:
         except ImportError:
             raise ConfigError("logger=wandb needs the wandb package: pip install -e '.[wandb]'") from None
         self.cfg, self.run, self.run_dir = cfg, run, Path(run_dir)
-        self.wb = None
+        self.wb: Run | None = None
 
     def start(self, trainer) -> None:
         import wandb
@@ -51,7 +55,7 @@ class WandbSink:
             resume="allow",
             dir=str(self.run_dir),
             mode=self.cfg.mode,
-            config=OmegaConf.to_container(self.run.raw, resolve=True),
+            config=cast(dict[str, Any], OmegaConf.to_container(self.run.raw, resolve=True)),  # a DictConfig
         )
 
     def log(self, row: dict) -> None:

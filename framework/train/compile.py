@@ -215,7 +215,7 @@ def compile_model(
     kwargs = {"backend": backend, "dynamic": False}
     if options and backend == "inductor":
         kwargs["options"] = options
-    compiled_by_class: dict[type, object] = {}
+    compiled_by_class: dict[type[nn.Module], object] = {}
     classes: Counter = Counter()
     for _, unit in picked:
         cls = type(unit)

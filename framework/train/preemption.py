@@ -16,6 +16,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,8 @@ import torch.distributed as dist
 from framework.errors import FrameworkError
 
 SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+# What signal.getsignal returns and signal.signal takes (typeshed's private signal._HANDLER).
+SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class Stopped(FrameworkError):
@@ -49,7 +54,7 @@ def slurm_end_time() -> float | None:
 class StopRequest:
     def __init__(self, stop_before_end_min: float = 0.0):
         self.signum: int | None = None
-        self.previous: dict[int, object] = {}
+        self.previous: dict[int, SignalHandler] = {}
         self.deadline = None
         if stop_before_end_min > 0:
             end = slurm_end_time()
@@ -105,7 +110,9 @@ class StopRequest:
 
     def hand_over(self) -> None:
         """Run the handler that was there before ours (submitit: requeue on rank 0)."""
-        previous = self.previous.get(self.signum) if self.signum is not None else None
+        signum = self.signum
+        previous = self.previous.get(signum) if signum is not None else None
         self.uninstall()
-        if callable(previous) and previous is not signal.default_int_handler:  # Python's own raises KeyboardInterrupt
-            previous(self.signum, None)
+        # signum is not None whenever previous is set; Python's own handler raises KeyboardInterrupt
+        if signum is not None and callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, None)
