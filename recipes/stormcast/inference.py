@@ -155,15 +155,13 @@ def data_config(overrides: list[str]) -> dict:
     from omegaconf.errors import OmegaConfBaseException
 
     from framework.cli import compose
-    from recipes.weather.weights import CHANNEL_KEYS
+    from recipes.weather.layout import naming_of
 
     cfg = compose(list(overrides))
     out = {}
+    keys = naming_of(OmegaConf.select(cfg, "data") or {}).channel_keys  # StormCast's or StormScope's
     for key, ok, want in (
-        *(
-            (k, lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v), "a list of names")
-            for k in CHANNEL_KEYS
-        ),
+        *((k, lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v), "a list of names") for k in keys),
         ("background_time", lambda v: v in ("input", "target"), "input or target"),
         ("invariant_norm", lambda v: v in ("zscore", "none"), "zscore or none"),
         ("dt", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive int"),
@@ -180,18 +178,20 @@ def data_config(overrides: list[str]) -> dict:
 
 
 def _dataset(root, info, start: int, hours: int):
+    from recipes.weather import layout
     from recipes.weather.dataset import HrrrEra5Dataset
 
     first, last = (_EPOCH + dt.timedelta(hours=start)).year, (_EPOCH + dt.timedelta(hours=start + hours)).year
     from recipes.weather.task import data_conventions
 
-    ch, conv = info.channels, data_conventions(info.config)
+    ch, conv = layout.channel_lists(info.channels), data_conventions(info.config)
     ds = HrrrEra5Dataset(
         root,
         list(range(first, last + 1)),
-        ch["hrrr_channels"],
-        ch["era5_channels"],
+        ch["state"],
+        ch["background"],
         ch["invariants"],
+        naming=layout.naming_of(info.channels),  # the stores of the recipe the model was trained for
         dt=int(conv["dt"]),
         grid=list(info.grid),
         background_time=conv["background_time"],
@@ -274,6 +274,8 @@ class ForecastStore:
 def rollout(args) -> Path:
     from tqdm import tqdm
 
+    from recipes.weather.layout import channel_lists
+
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     sampler = {"num_steps": args.steps} if args.steps else None
@@ -285,7 +287,7 @@ def rollout(args) -> Path:
     if fc.diff is None and members != 1:
         raise ConfigError(f"--members {members}: a regression-only rollout is deterministic; give --diffusion")
     info = fc.info
-    names = list(info.channels["hrrr_channels"])
+    names = channel_lists(info.channels)["state"]
     plot = args.plot_channels if args.plot_channels is not None else names[:1]
     bad = [c for c in plot if c not in names]
     if bad:
@@ -294,8 +296,8 @@ def rollout(args) -> Path:
     ds = _dataset(args.data_root, info, start, args.hours)
     idx = _samples(ds, start, args.hours)
     times = [start + k + 1 for k in range(args.hours)]
-    mean = torch.as_tensor(ds.hrrr_means, dtype=torch.float32)[:, None, None]
-    std = torch.as_tensor(ds.hrrr_stds, dtype=torch.float32)[:, None, None]
+    mean = torch.as_tensor(ds.state_means, dtype=torch.float32)[:, None, None]
+    std = torch.as_tensor(ds.state_stds, dtype=torch.float32)[:, None, None]
     meta = {
         "start": format_time(start),
         "members": members,
@@ -349,7 +351,11 @@ def main(argv=None) -> int:
         help="the regression model: exported .pt, checkpoint, run dir or .mdlus (default: the one the "
         "diffusion model was trained on)",
     )
-    ap.add_argument("--data-root", required=True, help="the HRRR/ERA5 zarr stores (initial state, background)")
+    ap.add_argument(
+        "--data-root",
+        required=True,
+        help="the zarr stores (initial state, background): HRRR/ERA5, or StormScope's state/background",
+    )
     ap.add_argument(
         "--data-config",
         nargs="+",

@@ -1,11 +1,34 @@
-"""Schemas of the StormScope recipe's config nodes (the DiT model, the diffusion task)."""
+"""Schemas of the StormScope recipe's config nodes (its data, the DiT model, the diffusion task)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omegaconf import MISSING
+
 from framework.config.schema import Invalid, non_negative, one_of, positive
-from recipes.weather.config import DiffusionTaskConfig
+from recipes.weather.config import DiffusionTaskConfig, SyntheticStores, ZarrDataConfig
+
+
+@dataclass
+class StormScopeDataConfig(ZarrDataConfig):
+    """StormScope's stores in the native layout (docs/data.md) under its own names: the nowcast state
+    (GOES ABI brightness temperatures, MRMS reflectivity: the field predicted) in ``<root>/state/``,
+    the coarse background in ``<root>/background/``."""
+
+    name: str = "stormscope"
+    state_channels: list[str] = MISSING
+    background_channels: list[str] = MISSING
+
+
+@dataclass
+class StormScopeSyntheticDataConfig(SyntheticStores, StormScopeDataConfig):
+    """Synthetic satellite/radar-like stores in StormScope's layout, written on first use."""
+
+    name: str = "stormscope_synthetic"
+    root: str = "data/stormscope_synthetic"
+    state_channels: list[str] = field(default_factory=lambda: ["abi08", "abi13", "refc"])
+    background_channels: list[str] = field(default_factory=lambda: ["u850", "v850", "t850"])
 
 
 @dataclass

@@ -1,10 +1,19 @@
-"""Registry entries of the StormScope recipe: the DiT model and the diffusion-only task."""
+"""Registry entries of the StormScope recipe: its data, the DiT model and the diffusion-only task."""
 
-import recipes.weather.registry  # noqa: F401  (the datasets StormScope trains on)
 from framework import registry
-from recipes.stormscope.config import DiTConfig, StormScopeTaskConfig
+from recipes.stormscope.config import (
+    DiTConfig,
+    StormScopeDataConfig,
+    StormScopeSyntheticDataConfig,
+    StormScopeTaskConfig,
+)
 from recipes.stormscope.parallelize import PLAN as DIT_SPLIT_PLAN  # how the DiT splits over patch rows
-from recipes.weather.diffusion import DiffusionTask
+from recipes.stormscope.task import StormScopeTask
+
+# The same zarr dataset as StormCast's, read under StormScope's names (recipes.weather.layout.Naming);
+# the task builds it.
+registry.datasets.add("stormscope", StormScopeDataConfig, StormScopeTask)
+registry.datasets.add("stormscope_synthetic", StormScopeSyntheticDataConfig, StormScopeTask)
 
 
 @registry.models.register("dit", DiTConfig, split_plan=DIT_SPLIT_PLAN)
@@ -29,5 +38,5 @@ def build_dit(cfg: DiTConfig, *, in_channels: int, out_channels: int, img_resolu
     )
 
 
-# The same EDM task as StormCast's diffusion stage, with StormScope's conditions.
-registry.tasks.add("stormscope", StormScopeTaskConfig, DiffusionTask)
+# The same EDM task as StormCast's diffusion stage, with StormScope's conditions and data config.
+registry.tasks.add("stormscope", StormScopeTaskConfig, StormScopeTask)

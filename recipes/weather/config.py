@@ -1,4 +1,5 @@
-"""Schemas of the shared weather config nodes: zarr data, the regression and diffusion tasks."""
+"""Schemas of the shared weather config nodes: zarr data (StormCast's; the base of StormScope's), the regression
+and diffusion tasks."""
 
 from __future__ import annotations
 
@@ -9,46 +10,42 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from framework.config.schema import Invalid, non_negative, one_of, positive
+from recipes.weather.layout import naming_of
 
 
 @dataclass
-class HrrrEra5DataConfig:
-    name: str = "hrrr_era5"
+class ZarrDataConfig:
+    """What every data config of the zarr stores (docs/data.md) has: the root, grid, years,
+    invariants and how samples are made. A subclass adds the state and background channel lists
+    under its recipe's keys (``recipes.weather.layout.Naming``: StormCast's ``hrrr_channels`` /
+    ``era5_channels``, StormScope's ``state_channels`` / ``background_channels``)."""
+
+    name: str = MISSING
     root: str = MISSING
     grid: list[int] = field(default_factory=lambda: [512, 640])
     train_years: list[int] = MISSING
     val_years: list[int] = MISSING
-    hrrr_channels: list[str] = MISSING
-    era5_channels: list[str] = MISSING
     invariants: list[str] = field(default_factory=list)
     dt: int = 1
     batch_size: int = 1  # global: summed over data-parallel ranks and accumulation steps
     num_workers: int = 0
     pin_memory: bool = True
-    # auto: detect from the files under root | native (ours) | physicsnemo (PhysicsNeMo's StormCast layout)
-    layout: str = "auto"
-    # the ERA5 background's hour: input (t, as PhysicsNeMo's StormCast) | target (t + dt)
+    # the background's hour: input (t, as PhysicsNeMo's StormCast) | target (t + dt)
     background_time: str = "input"
     invariant_norm: str = "zscore"  # zscore (each by its spatial mean/std) | none (raw, as PhysicsNeMo)
-    conus_dataset_name: str = "hrrr_v3"  # physicsnemo layout: the HRRR folder under root
-    hrrr_stats: str = "stats_v3_2019_2021"  # physicsnemo layout: the HRRR stats folder in it
 
     def __post_init__(self):
+        keys = naming_of(self).channel_keys
         positive(self, "batch_size", "dt")
         non_negative(self, "num_workers")
-        one_of(self, "layout", ("auto", "native", "physicsnemo"))
         one_of(self, "background_time", ("input", "target"))
         one_of(self, "invariant_norm", ("zscore", "none"))
-        for key in ("conus_dataset_name", "hrrr_stats"):
-            name = getattr(self, key)
-            if not name or "/" in name or name in (".", ".."):
-                raise Invalid(key, f"must be a folder name (got {name!r})")
         if len(self.grid) != 2 or min(self.grid) <= 0:
             raise Invalid("grid", f"must be [rows, cols] > 0 (got {list(self.grid)})")
-        for key in ("train_years", "val_years", "hrrr_channels"):
+        for key in ("train_years", "val_years", keys[0]):
             if not getattr(self, key):
                 raise Invalid(key, "must not be empty")
-        for key in ("hrrr_channels", "era5_channels", "invariants"):
+        for key in keys:
             names = list(getattr(self, key))
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
@@ -64,14 +61,34 @@ class HrrrEra5DataConfig:
 
 
 @dataclass
-class SyntheticDataConfig(HrrrEra5DataConfig):
-    name: str = "synthetic"
-    root: str = "data/synthetic"
+class HrrrEra5DataConfig(ZarrDataConfig):
+    """StormCast's HRRR state and ERA5 background, in our layout or PhysicsNeMo's."""
+
+    name: str = "hrrr_era5"
+    hrrr_channels: list[str] = MISSING
+    era5_channels: list[str] = MISSING
+    # auto: detect from the files under root | native (ours) | physicsnemo (PhysicsNeMo's StormCast layout)
+    layout: str = "auto"
+    conus_dataset_name: str = "hrrr_v3"  # physicsnemo layout: the HRRR folder under root
+    hrrr_stats: str = "stats_v3_2019_2021"  # physicsnemo layout: the HRRR stats folder in it
+
+    def __post_init__(self):
+        one_of(self, "layout", ("auto", "native", "physicsnemo"))
+        for key in ("conus_dataset_name", "hrrr_stats"):
+            name = getattr(self, key)
+            if not name or "/" in name or name in (".", ".."):
+                raise Invalid(key, f"must be a folder name (got {name!r})")
+        super().__post_init__()
+
+
+@dataclass
+class SyntheticStores:
+    """Mixed into a data config (first among its bases): synthetic stores of its channels, written
+    under ``root`` on first use (``recipes.weather.synthetic``), and the small defaults of a CPU run."""
+
     grid: list[int] = field(default_factory=lambda: [32, 32])
     train_years: list[int] = field(default_factory=lambda: [2020])
     val_years: list[int] = field(default_factory=lambda: [2021])
-    hrrr_channels: list[str] = field(default_factory=lambda: ["u10m", "v10m", "t2m", "msl"])
-    era5_channels: list[str] = field(default_factory=lambda: ["u850", "v850", "t850"])
     invariants: list[str] = field(default_factory=lambda: ["lsm", "orog"])
     hours_per_year: int = 360
     generator_seed: int = 0
@@ -85,7 +102,7 @@ class SyntheticDataConfig(HrrrEra5DataConfig):
     @property
     def write_layout(self) -> str:
         """The layout the synthetic stores are written in: physicsnemo if asked for, else native."""
-        return "physicsnemo" if self.layout == "physicsnemo" else "native"
+        return "physicsnemo" if getattr(self, "layout", "native") == "physicsnemo" else "native"
 
     def check_root(self):
         from framework.rundir import dir_problem
@@ -93,6 +110,14 @@ class SyntheticDataConfig(HrrrEra5DataConfig):
         problem = dir_problem(self.root, create=not os.path.isdir(self.root))  # written on first use
         if problem:
             raise Invalid("root", problem)
+
+
+@dataclass
+class SyntheticDataConfig(SyntheticStores, HrrrEra5DataConfig):
+    name: str = "synthetic"
+    root: str = "data/synthetic"
+    hrrr_channels: list[str] = field(default_factory=lambda: ["u10m", "v10m", "t2m", "msl"])
+    era5_channels: list[str] = field(default_factory=lambda: ["u850", "v850", "t850"])
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Paired HRRR/ERA5 samples for StormCast, read from either data layout of :mod:`recipes.weather.layout`.
+"""Paired HRRR/ERA5 samples for StormCast, read from either data layout of :mod:`recipes.weather.layout`
+(and StormScope's state/background samples, read from the native layout under its names).
 
 One sample is an hourly pair ``(t, t + dt)``:
 
@@ -27,6 +28,12 @@ year is not in ``years``), ``t`` runs from Jan 1 00:00 of the first year (Aug 1 
 or ``t + dt`` is in the missing-samples file. In the ``native`` layout only the stores of
 ``years`` are opened, so a pair crosses a year boundary only between two listed years
 whose hours are contiguous; gaps in the record drop the pairs that would span them.
+
+StormScope (``naming=layout.STORMSCOPE``) reads the same native layout with its own names
+(:class:`recipes.weather.layout.Naming`): the state from ``<root>/state/<year>.zarr`` (GOES
+satellite and MRMS radar channels), the background from ``<root>/background/<year>.zarr``,
+the statistics from ``<root>/stats/state_*.npy`` and ``background_*.npy``; below, read "HRRR"
+as its state and "ERA5" as its background. The PhysicsNeMo layout is StormCast's only.
 
 Channels are selected by name, in any order and any subset. With ``normalize=True`` HRRR
 and ERA5 channels are z-scored with the per-channel statistics files (one value per *store*
@@ -58,7 +65,7 @@ from torch.utils.data import Dataset
 from framework.errors import ConfigError, DataError
 from recipes.weather import layout
 from recipes.weather import physicsnemo_layout as pn
-from recipes.weather.layout import LAYOUT_CHOICES
+from recipes.weather.layout import LAYOUT_CHOICES, PHYSICSNEMO, STORMCAST
 
 BACKGROUND_TIMES = ("input", "target")
 INVARIANT_NORMS = ("zscore", "none")
@@ -213,7 +220,8 @@ class HrrrEra5Dataset(Dataset):
     Args:
         root: store root (either layout of :mod:`recipes.weather.layout`).
         years: years of the state hours, in sample order.
-        hrrr_channels, era5_channels, invariants: channel names to select, in the order wanted.
+        state_channels, background_channels, invariants: channel names to select, in the order wanted
+            (StormCast's HRRR and ERA5 channels, StormScope's state and background channels).
         dt: lead time in hours (target is ``t + dt``).
         normalize: z-score the fields (see the module docstring).
         layout: ``auto`` (detect), ``native`` or ``physicsnemo``.
@@ -223,14 +231,16 @@ class HrrrEra5Dataset(Dataset):
         invariant_norm: ``zscore`` or ``none`` (raw).
         conus_dataset_name, hrrr_stats: the ``physicsnemo`` layout's HRRR folder and its stats
             folder (the reference's defaults).
+        naming: whose names the stores and messages use (:data:`recipes.weather.layout.STORMCAST`,
+            the default, or ``STORMSCOPE``).
     """
 
     def __init__(
         self,
         root: str | Path,
         years: Sequence[int],
-        hrrr_channels: Sequence[str],
-        era5_channels: Sequence[str],
+        state_channels: Sequence[str],
+        background_channels: Sequence[str],
         invariants: Sequence[str],
         dt: int = 1,
         normalize: bool = True,
@@ -241,6 +251,7 @@ class HrrrEra5Dataset(Dataset):
         invariant_norm: str = "zscore",
         conus_dataset_name: str = layout.PN_CONUS_DATASET,
         hrrr_stats: str = layout.PN_HRRR_STATS,
+        naming: layout.Naming = layout.STORMCAST,
     ):
         self.root = Path(root)
         if isinstance(years, (int, np.integer)):
@@ -253,10 +264,12 @@ class HrrrEra5Dataset(Dataset):
         self.invariant_norm = str(invariant_norm)
         self.conus_dataset_name = str(conus_dataset_name)
         self.hrrr_stats = str(hrrr_stats)
+        self.naming = naming
+        self._state, self._background = self._sources = naming.stores  # the two time-series sources
         self._grid_request = None if grid is None else (int(grid[0]), int(grid[1]))
         self._names = {
-            "hrrr": [str(c) for c in hrrr_channels],
-            "era5": [str(c) for c in era5_channels],
+            self._state: [str(c) for c in state_channels],
+            self._background: [str(c) for c in background_channels],
             "invariants": [str(c) for c in invariants],
         }
         if not self.years:
@@ -265,8 +278,8 @@ class HrrrEra5Dataset(Dataset):
             raise ConfigError(f"HrrrEra5Dataset: duplicate years {self.years}")
         if self.dt < 1:
             raise ConfigError(f"HrrrEra5Dataset: dt must be >= 1 hour, got {dt}")
-        if not self._names["hrrr"]:
-            raise ConfigError("HrrrEra5Dataset: no HRRR channels selected")
+        if not self._names[self._state]:
+            raise ConfigError(f"HrrrEra5Dataset: no {naming.label(self._state)} channels selected")
         for kind, names in self._names.items():
             if len(set(names)) != len(names):
                 raise ConfigError(f"HrrrEra5Dataset: duplicate {kind} channels {names}")
@@ -277,6 +290,10 @@ class HrrrEra5Dataset(Dataset):
         ):
             if value not in choices:
                 raise ConfigError(f"HrrrEra5Dataset: {key} must be one of {', '.join(choices)} (got {value!r})")
+        if naming is not STORMCAST and self.requested_layout == PHYSICSNEMO:  # (``layout`` is the argument here)
+            raise ConfigError(
+                f"HrrrEra5Dataset: the {PHYSICSNEMO} layout is StormCast's; {naming.recipe} reads the native one"
+            )
         if self._grid_request is not None and min(self._grid_request) <= 0:
             raise ConfigError(f"HrrrEra5Dataset: grid must be positive, got {list(grid)}")
         self._handles = None
@@ -286,13 +303,15 @@ class HrrrEra5Dataset(Dataset):
     @classmethod
     def from_config(cls, data, years: Sequence[int], **overrides) -> HrrrEra5Dataset:
         """The dataset a ``data`` config node (:class:`recipes.weather.config.HrrrEra5DataConfig`)
-        describes, for ``years``; keyword ``overrides`` replace constructor arguments."""
+        describes, for ``years``, under the names of its channel keys (StormCast's or StormScope's);
+        keyword ``overrides`` replace constructor arguments."""
+        naming, channels = layout.naming_of(data), layout.channel_lists(data)
         kwargs = dict(
             root=data.root,
             years=list(years),
-            hrrr_channels=list(data.hrrr_channels),
-            era5_channels=list(data.era5_channels),
-            invariants=list(data.invariants),
+            state_channels=channels["state"],
+            background_channels=channels["background"],
+            invariants=channels["invariants"],
             dt=data.dt,
             layout=getattr(data, "layout", "auto"),
             background_time=getattr(data, "background_time", "input"),
@@ -300,6 +319,7 @@ class HrrrEra5Dataset(Dataset):
             invariant_norm=getattr(data, "invariant_norm", "zscore"),
             conus_dataset_name=getattr(data, "conus_dataset_name", layout.PN_CONUS_DATASET),
             hrrr_stats=getattr(data, "hrrr_stats", layout.PN_HRRR_STATS),
+            naming=naming,
         )
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -312,8 +332,10 @@ class HrrrEra5Dataset(Dataset):
         Raises :class:`framework.errors.DataError` (or ConfigError for a grid that does not
         match ``grid``). Also (re)builds the sample index.
         """
-        if self.requested_layout == "auto":
+        if self.requested_layout == "auto" and self.naming is layout.STORMCAST:
             self.layout = pn.detect_layout(self.root, self.conus_dataset_name)
+        elif self.requested_layout == "auto":
+            self.layout = layout.NATIVE
         else:
             self.layout = self.requested_layout
         self._interp = None
@@ -326,17 +348,17 @@ class HrrrEra5Dataset(Dataset):
 
     def _validate_native(self) -> None:
         root = self.root
-        self._var = {layout.HRRR: layout.DATA_VAR, layout.ERA5: layout.DATA_VAR}
-        self._paths = {src: [layout.year_store(root, src, y) for y in self.years] for src in layout.SOURCES}
-        self._slot_years = {src: list(self.years) for src in layout.SOURCES}
+        self._var = {src: layout.DATA_VAR for src in self._sources}
+        self._paths = {src: [layout.year_store(root, src, y) for y in self.years] for src in self._sources}
+        self._slot_years = {src: list(self.years) for src in self._sources}
         grid = None
         grid_path = None
         store_channels = {}
-        self._times = {layout.HRRR: [], layout.ERA5: []}
+        self._times = {src: [] for src in self._sources}
         self._index = {}
-        for src in layout.SOURCES:
+        for src in self._sources:
             for year, path in zip(self.years, self._paths[src]):
-                group = _open_group(path, f"{src.upper()} {year}")
+                group = _open_group(path, f"{self.naming.label(src)} {year}")
                 data = _array(group, path, layout.DATA_VAR, 4)
                 if not np.issubdtype(data.dtype, np.floating):
                     raise DataError(f"{path}: variable '{layout.DATA_VAR}' has dtype {data.dtype}, expected float")
@@ -382,7 +404,7 @@ class HrrrEra5Dataset(Dataset):
         self.grid = self.store_grid
 
         self._stats = {}
-        for src in layout.SOURCES:
+        for src in self._sources:
             names, path = store_channels[src]
             files = {kind: layout.stats_file(root, src, kind) for kind in layout.STAT_KINDS}
             means, stds = _load_stats(files, path, layout.DATA_VAR, len(names), names)
@@ -505,11 +527,12 @@ class HrrrEra5Dataset(Dataset):
 
     def _build_index(self) -> None:
         """Sample index: the slots and time indices of state, target and background."""
-        hrrr = _Lookup(self._times[layout.HRRR], self._paths[layout.HRRR], self._var[layout.HRRR])
-        era5 = _Lookup(self._times[layout.ERA5], self._paths[layout.ERA5], self._var[layout.ERA5])
+        state, background = self._sources
+        hrrr = _Lookup(self._times[state], self._paths[state], self._var[state])
+        era5 = _Lookup(self._times[background], self._paths[background], self._var[background])
         cols = {k: [] for k in ("s_slot", "s_t", "t_slot", "t_t", "b_slot", "b_t")}
         for k in range(len(self.years)):  # slot k holds year k in both sources
-            th = self._times[layout.HRRR][k]
+            th = self._times[state][k]
             t_idx = np.arange(len(th), dtype=np.int64)
             keep = np.ones(len(th), dtype=bool)
             if self._bounds is not None:
@@ -523,9 +546,9 @@ class HrrrEra5Dataset(Dataset):
                 keep &= ~np.isin(th, self._missing) & ~np.isin(th + self.dt, self._missing)
             if self.layout == layout.NATIVE and not keep.any():
                 raise DataError(
-                    f"{self._paths[layout.HRRR][k]}: variable '{layout.TIME_VAR}' has no (t, t+{self.dt}h) pair "
+                    f"{self._paths[state][k]}: variable '{layout.TIME_VAR}' has no (t, t+{self.dt}h) pair "
                     f"whose {'state' if self.background_time == 'input' else 'target'} hour is also in "
-                    f"{self._paths[layout.ERA5][k]}"
+                    f"{self._paths[background][k]}"
                 )
             for key, values in (
                 ("s_slot", np.full(len(th), k)),
@@ -539,30 +562,35 @@ class HrrrEra5Dataset(Dataset):
         self._samples = {k: np.concatenate(v) for k, v in cols.items()}
         if not len(self._samples["s_t"]):
             raise DataError(
-                f"{self._paths[layout.HRRR][0]}: no (t, t+{self.dt}h) pair in years {self.years} has "
-                f"its target in the HRRR stores, its background in the ERA5 stores and is not missing"
+                f"{self._paths[state][0]}: no (t, t+{self.dt}h) pair in years {self.years} has its target "
+                f"in the {self.naming.label(state)} stores, its background in the "
+                f"{self.naming.label(background)} stores and is not missing"
             )
 
     @property
     def channel_names(self) -> dict[str, list[str]]:
-        """``{"hrrr": [...], "era5": [...], "invariants": [...]}``, the selected names in output order."""
+        """The selected names in output order, by source: ``{"hrrr": [...], "era5": [...], "invariants":
+        [...]}`` (StormScope: ``{"state": ..., "background": ..., "invariants": ...}``)."""
         return {k: list(v) for k, v in self._names.items()}
 
     @property
-    def hrrr_means(self) -> np.ndarray:
-        return self._stats[layout.HRRR][0].copy()
+    def state_means(self) -> np.ndarray:
+        return self._stats[self._state][0].copy()
 
     @property
-    def hrrr_stds(self) -> np.ndarray:
-        return self._stats[layout.HRRR][1].copy()
+    def state_stds(self) -> np.ndarray:
+        return self._stats[self._state][1].copy()
 
     @property
-    def era5_means(self) -> np.ndarray:
-        return self._stats[layout.ERA5][0].copy()
+    def background_means(self) -> np.ndarray:
+        return self._stats[self._background][0].copy()
 
     @property
-    def era5_stds(self) -> np.ndarray:
-        return self._stats[layout.ERA5][1].copy()
+    def background_stds(self) -> np.ndarray:
+        return self._stats[self._background][1].copy()
+
+    # StormCast's names for them
+    hrrr_means, hrrr_stds, era5_means, era5_stds = state_means, state_stds, background_means, background_stds
 
     def __len__(self) -> int:
         return len(self._samples["s_t"])
@@ -576,14 +604,14 @@ class HrrrEra5Dataset(Dataset):
         """Hours since 1970-01-01 UTC of the state and of the target of sample ``i``."""
         i = self._check_index(i)
         s = self._samples
-        th = self._times[layout.HRRR]
+        th = self._times[self._state]
         return int(th[s["s_slot"][i]][s["s_t"][i]]), int(th[s["t_slot"][i]][s["t_t"][i]])
 
     def background_hour(self, i: int) -> int:
-        """Hours since 1970-01-01 UTC of the ERA5 background of sample ``i``."""
+        """Hours since 1970-01-01 UTC of the background (ERA5) of sample ``i``."""
         i = self._check_index(i)
         s = self._samples
-        return int(self._times[layout.ERA5][s["b_slot"][i]][s["b_t"][i]])
+        return int(self._times[self._background][s["b_slot"][i]][s["b_t"][i]])
 
     def __repr__(self) -> str:
         return (
@@ -604,9 +632,11 @@ class HrrrEra5Dataset(Dataset):
         if handles is not None and handles["pid"] == os.getpid():
             return handles
         handles = {"pid": os.getpid()}
-        for src in layout.SOURCES:
+        for src in self._sources:
             var = self._var[src]
-            handles[src] = [_array(_open_group(path, src.upper()), path, var, 4) for path in self._paths[src]]
+            handles[src] = [
+                _array(_open_group(path, self.naming.label(src)), path, var, 4) for path in self._paths[src]
+            ]
         if self.layout == layout.PHYSICSNEMO and self._interp is None:
             self._interp = self._build_interp()
         h, w = self.grid
@@ -675,7 +705,7 @@ class HrrrEra5Dataset(Dataset):
         h, w = rows.stop - rows.start, self.grid[1]
         if len(idx) == 0:
             return torch.zeros((0, h, w), dtype=torch.float32)
-        if src == layout.ERA5 and self.layout == layout.PHYSICSNEMO:
+        if src == self._background and self.layout == layout.PHYSICSNEMO:
             ys, xs, flat, weights = self._interp.band(rows)
             window = self._read_channels(arr, t, idx, ys, xs)
             x = torch.from_numpy(pn.LatLonBilinear.apply(window, flat, weights, (h, w)))
@@ -706,9 +736,9 @@ class HrrrEra5Dataset(Dataset):
         self._open()
         s = self._samples
         return {
-            "state": self._read_field(layout.HRRR, int(s["s_slot"][i]), int(s["s_t"][i]), rows),
-            "target": self._read_field(layout.HRRR, int(s["t_slot"][i]), int(s["t_t"][i]), rows),
-            "background": self._read_field(layout.ERA5, int(s["b_slot"][i]), int(s["b_t"][i]), rows),
+            "state": self._read_field(self._state, int(s["s_slot"][i]), int(s["s_t"][i]), rows),
+            "target": self._read_field(self._state, int(s["t_slot"][i]), int(s["t_t"][i]), rows),
+            "background": self._read_field(self._background, int(s["b_slot"][i]), int(s["b_t"][i]), rows),
             "invariants": self._handles["invariants"][:, rows, :].clone(),
             "index": i,
         }

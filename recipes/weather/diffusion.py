@@ -16,7 +16,7 @@ import torch
 from framework import registry
 from framework.domain import draws
 from framework.errors import ConfigError, DataError
-from recipes.weather import edm, metrics
+from recipes.weather import edm, layout, metrics
 from recipes.weather.task import RegressionTask
 
 # Purposes of keyed draws, so no two streams share a key.
@@ -24,12 +24,8 @@ _SIGMA, _NOISE, _VAL = 1, 2, 3
 
 
 def condition_channels(data, conditions, regression_out: int | None = None) -> int:
-    sizes = {
-        "state": len(data["hrrr_channels"]),
-        "background": len(data.get("era5_channels") or []),
-        "invariants": len(data.get("invariants") or []),
-        "regression": regression_out if regression_out is not None else len(data["hrrr_channels"]),
-    }
+    sizes = {k: len(v) for k, v in layout.channel_lists(data).items()}  # state, background, invariants
+    sizes["regression"] = regression_out if regression_out is not None else sizes["state"]
     return sum(sizes[c] for c in conditions)
 
 
@@ -61,21 +57,20 @@ class DiffusionTask(RegressionTask):
     def check_config(run) -> None:
         RegressionTask.check_config(run)
         cfg, data = run.task, run.data
+        channels, (state_key, background_key) = layout.channel_lists(data), layout.naming_of(data).keys
         if getattr(run.model, "embedding_type", "positional") != "positional":
             raise ConfigError(
                 f"model.embedding_type={run.model.embedding_type!r}: a diffusion model must see its "
                 "noise level; use model.embedding_type=positional"
             )
-        n = len(cfg.edm.sigma_data)
-        if n not in (1, len(data.hrrr_channels)):
-            raise ConfigError(
-                f"task.edm.sigma_data: {n} values for {len(data.hrrr_channels)} channels (give one, or one per channel)"
-            )
-        unknown = [c for c in cfg.plot_channels if c not in data.hrrr_channels]
+        n, n_state = len(cfg.edm.sigma_data), len(channels["state"])
+        if n not in (1, n_state):
+            raise ConfigError(f"task.edm.sigma_data: {n} values for {n_state} channels (give one, or one per channel)")
+        unknown = [c for c in cfg.plot_channels if c not in channels["state"]]
         if unknown:
-            raise ConfigError(f"task.plot_channels: {unknown[0]!r} is not in data.hrrr_channels")
-        if "background" in cfg.conditions and not data.era5_channels:
-            raise ConfigError("task.conditions: 'background' needs data.era5_channels")
+            raise ConfigError(f"task.plot_channels: {unknown[0]!r} is not in data.{state_key}")
+        if "background" in cfg.conditions and not channels["background"]:
+            raise ConfigError(f"task.conditions: 'background' needs data.{background_key}")
         if cfg.needs_regression:
             from recipes.weather import weights
 
@@ -102,7 +97,7 @@ class DiffusionTask(RegressionTask):
     @staticmethod
     def model_io(data: dict, task: dict) -> tuple[int, int]:
         """(in, out) channels of the denoising net: noisy latent plus the conditions."""
-        out = len(data["hrrr_channels"])
+        out = len(layout.channel_lists(data)["state"])
         return out + condition_channels(data, task["conditions"]), out
 
     @staticmethod
@@ -230,11 +225,11 @@ class DiffusionTask(RegressionTask):
         return sums
 
     def val_summary(self, sums: dict[str, torch.Tensor]) -> dict:
-        stds = torch.as_tensor(self.val_dataset().hrrr_stds, dtype=torch.float64)
+        stds = torch.as_tensor(self.val_dataset().state_stds, dtype=torch.float64)
         loss = float(sums["loss_sum"] / sums["samples"])  # domain ranks: D x samples, D x weighted losses
         row = {
             "loss": loss,
-            **metrics.ensemble_summary(sums, list(self.data_cfg.hrrr_channels), stds, self.cfg.val_members),
+            **metrics.ensemble_summary(sums, self.channels["state"], stds, self.cfg.val_members),
         }
         return row
 
@@ -242,6 +237,6 @@ class DiffusionTask(RegressionTask):
         if self._figure_fields is None:
             return {}
         fields, self._figure_fields = self._figure_fields, None
-        names = list(self.data_cfg.hrrr_channels)
+        names = self.channels["state"]
         chans = [names.index(c) for c in (self.cfg.plot_channels or names[:1])]
         return self.draw_fields(out_dir, step, {k: v[chans] for k, v in fields.items()}, chans, "member 0")

@@ -1,8 +1,9 @@
-"""On-disk layout of the StormCast HRRR/ERA5 data, in one place.
+"""On-disk layout of the weather data (StormCast's HRRR/ERA5, StormScope's state/background), in one place.
 
 The layout mirrors the one NVIDIA's StormCast recipe reads (one zarr store per
 year and source, an invariants store, per-channel statistics as ``.npy``),
-simplified to plain zarr v3 groups so that no xarray is needed::
+simplified to plain zarr v3 groups so that no xarray is needed (shown with
+StormCast's names)::
 
     <root>/hrrr/<year>.zarr     zarr group
         data   float32 (time, channel, y, x)   HRRR state
@@ -23,6 +24,12 @@ simplified to plain zarr v3 groups so that no xarray is needed::
                                 they were written with (also marks the store as
                                 complete)
 
+StormScope's stores are the same but for the names of the two time-series sources
+(:class:`Naming`): ``<root>/state/<year>.zarr`` holds the nowcast state (GOES ABI brightness
+temperatures, MRMS reflectivity), ``<root>/background/<year>.zarr`` the coarse background on
+the same grid, and the statistics are ``<root>/stats/state_{means,stds}.npy`` and
+``background_{means,stds}.npy``.
+
 Chunking: the time-series ``data`` arrays are chunked ``(1, 1, row_chunk, x)``
 (``row_chunk`` defaults to 16), so one sample of one channel is a few whole-row
 chunks and a domain-parallel rank that owns a band of rows reads only that
@@ -34,16 +41,72 @@ fetches only the inner chunks it needs (by byte range).
 
 Every name and path a reader or writer needs comes from this module, for both
 layouts the dataset reads: this one (``native``) and the one NVIDIA PhysicsNeMo's
-StormCast recipe writes (``physicsnemo``, at the end of the module).
+StormCast recipe writes (``physicsnemo``, at the end of the module; StormCast's names only).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 HRRR = "hrrr"
 ERA5 = "era5"
 SOURCES = (HRRR, ERA5)
+
+
+@dataclass(frozen=True)
+class Naming:
+    """What a recipe calls the two time-series sources of a sample: the state (the field the model
+    predicts) and the coarse background that forces it. The dataset, the synthetic writer and the
+    tasks are one code for both; this says which data config keys hold the channel lists (also the
+    keys of an export's ``channels`` and of a synthetic manifest), which folders under the root
+    hold the year stores (also the prefixes of the statistics files) and what messages call them."""
+
+    recipe: str
+    keys: tuple[str, str]  # data config keys of the state and background channel lists
+    stores: tuple[str, str]  # their folders under the root
+    labels: tuple[str, str]  # their names in messages
+
+    @property
+    def channel_keys(self) -> tuple[str, str, str]:
+        return (*self.keys, "invariants")
+
+    def label(self, store: str) -> str:
+        return self.labels[self.stores.index(store)]
+
+
+STORMCAST = Naming("StormCast", ("hrrr_channels", "era5_channels"), (HRRR, ERA5), ("HRRR", "ERA5"))
+# StormScope: GOES satellite + MRMS radar channels as the nowcast state, the coarse background
+STORMSCOPE = Naming(
+    "StormScope", ("state_channels", "background_channels"), ("state", "background"), ("state", "background")
+)
+NAMINGS = (STORMCAST, STORMSCOPE)
+STORES = tuple(s for n in NAMINGS for s in n.stores)
+
+
+def naming_of(data) -> Naming:
+    """The naming whose state key ``data`` has: a data config node (dataclass or DictConfig), a dict
+    (a checkpoint's ``data`` node, an export's ``channels``, a synthetic manifest). StormCast's when
+    it has neither (what every config recorded before StormScope had its own keys)."""
+    has = data.__contains__ if isinstance(data, Mapping) else lambda k: hasattr(data, k)
+    return STORMSCOPE if has(STORMSCOPE.keys[0]) else STORMCAST
+
+
+def channel_lists(data) -> dict[str, list[str]]:
+    """``{"state": [...], "background": [...], "invariants": [...]}`` of ``data`` (as for
+    :func:`naming_of`) under its naming's keys; an absent background or invariants list is empty,
+    an absent state list a KeyError."""
+    state, background, invariants = naming_of(data).channel_keys
+    get = data.get if isinstance(data, Mapping) else lambda k, d=None: getattr(data, k, d)
+    if get(state) is None:
+        raise KeyError(state)
+    return {
+        "state": list(get(state)),
+        "background": list(get(background) or []),
+        "invariants": list(get(invariants) or []),
+    }
+
 
 DATA_VAR = "data"
 TIME_VAR = "time"
@@ -62,9 +125,9 @@ INVARIANTS_DIMS = ("channel", "y", "x")
 
 
 def year_store(root: str | Path, source: str, year: int) -> Path:
-    """``<root>/<source>/<year>.zarr`` for ``source`` in :data:`SOURCES`."""
-    if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}; expected one of {SOURCES}")
+    """``<root>/<source>/<year>.zarr`` for ``source`` in :data:`STORES` (a naming's store folder)."""
+    if source not in STORES:
+        raise ValueError(f"unknown source {source!r}; expected one of {STORES}")
     return Path(root) / source / f"{int(year)}.zarr"
 
 
@@ -74,9 +137,9 @@ def invariants_store(root: str | Path) -> Path:
 
 
 def stats_file(root: str | Path, source: str, kind: str) -> Path:
-    """``<root>/stats/<source>_<kind>.npy``, ``kind`` in ``("means", "stds")``."""
-    if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}; expected one of {SOURCES}")
+    """``<root>/stats/<source>_<kind>.npy``, ``source`` in :data:`STORES`, ``kind`` in ``("means", "stds")``."""
+    if source not in STORES:
+        raise ValueError(f"unknown source {source!r}; expected one of {STORES}")
     if kind not in STAT_KINDS:
         raise ValueError(f"unknown stats kind {kind!r}; expected one of {STAT_KINDS}")
     return Path(root) / STATS_DIR / f"{source}_{kind}.npy"

@@ -573,9 +573,10 @@ def _with_channels(path, config: dict, channels: dict | None) -> dict:
     if channels is None:
         return config
     from recipes.weather.diffusion import DiffusionTask
+    from recipes.weather.layout import naming_of
     from recipes.weather.task import RegressionTask
 
-    names = {k: list(channels.get(k) or []) for k in ("hrrr_channels", "era5_channels", "invariants")}
+    names = {k: list(channels.get(k) or []) for k in naming_of(channels).channel_keys}  # either recipe's keys
     io_of = RegressionTask.model_io if config["task"]["name"] == "stormcast_regression" else DiffusionTask.model_io
     want = io_of(names, config["task"])
     have = (config["in_channels"], config["out_channels"])
@@ -781,8 +782,9 @@ def is_mdlus(path) -> bool:
 
 def describe_mdlus(path, *, channels: dict | None = None) -> dict:
     """The model config of the .mdlus at ``path`` from its args.json and metadata.json (model.pt is
-    not read). ``channels`` ({hrrr_channels, era5_channels, invariants}), when given, are checked
-    against the model's channel counts and recorded; else they are None (a .mdlus has no names)."""
+    not read). ``channels`` ({hrrr_channels, era5_channels, invariants}, or StormScope's
+    {state_channels, background_channels, invariants}), when given, are checked against the model's
+    channel counts and recorded under their keys; else they are None (a .mdlus has no names)."""
     path = Path(path)
     raw = _read_members(path, ("args.json", "metadata.json"))
     args, metadata = _json(path, "args.json", raw["args.json"]), _json(path, "metadata.json", raw["metadata.json"])

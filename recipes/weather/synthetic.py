@@ -1,4 +1,4 @@
-"""Small synthetic HRRR/ERA5 stores in the StormCast layout, with learnable dynamics.
+"""Small synthetic HRRR/ERA5 stores in the StormCast layout (or StormScope's), with learnable dynamics.
 
 ``write_synthetic(root)`` writes the layout described in
 :mod:`recipes.weather.layout` and returns ``root``. The data follow a known
@@ -27,6 +27,12 @@ rule, so a small network (or even a linear stencil) can beat persistence:
   temperatures ~280 +- 10 K, winds ~0 +- 5 m/s, pressures ~101325 +- 1000 Pa,
   so normalisation matters.
 
+Given ``state_channels`` / ``background_channels`` (``--state-channels`` /
+``--background-channels``) instead of ``hrrr_channels`` / ``era5_channels``, the same fields are
+written under StormScope's names (:data:`recipes.weather.layout.STORMSCOPE`): ``state/`` and
+``background/`` year stores, ``stats/state_*.npy`` and ``background_*.npy``, a manifest with
+those keys.
+
 Writing is atomic: everything goes to a temporary directory next to ``root``
 which is then renamed into place, so a reader never sees a half-written store.
 If ``root`` already holds a complete synthetic store written with the same
@@ -40,6 +46,8 @@ CLI::
     python -m recipes.weather.synthetic --root DIR --height 64 --width 64 \\
         --years 2020 2021 --hours-per-year 200 \\
         --hrrr-channels u10m v10m t2m msl --era5-channels u850 v850 t850
+    python -m recipes.weather.synthetic --root DIR --state-channels abi08 abi13 refc \\
+        --background-channels u850 v850 t850          # StormScope's stores
 """
 
 from __future__ import annotations
@@ -265,11 +273,27 @@ def _year_start_hours(year: int) -> int:
 # ----------------------------------------------------------------- writing
 
 
+def _naming(hrrr_channels, era5_channels, state_channels, background_channels):
+    """(naming, state channels, background channels): StormScope's names when its channel lists are
+    given, else StormCast's (its lists defaulting to DEFAULT_HRRR_CHANNELS, DEFAULT_ERA5_CHANNELS)."""
+    if state_channels is None and background_channels is None:
+        hrrr = DEFAULT_HRRR_CHANNELS if hrrr_channels is None else hrrr_channels
+        return layout.STORMCAST, hrrr, DEFAULT_ERA5_CHANNELS if era5_channels is None else era5_channels
+    if hrrr_channels is not None or era5_channels is not None:
+        raise ValueError(
+            "give hrrr_channels/era5_channels (StormCast's stores) or state_channels/background_channels "
+            "(StormScope's), not both"
+        )
+    return layout.STORMSCOPE, state_channels or (), background_channels or ()
+
+
 def _normalise_params(
     height,
     width,
     hrrr_channels,
     era5_channels,
+    state_channels,
+    background_channels,
     invariants,
     years,
     hours_per_year,
@@ -281,12 +305,13 @@ def _normalise_params(
     era5_spacing=DEFAULT_ERA5_SPACING,
     missing=None,
 ) -> dict:
+    naming, state, background = _naming(hrrr_channels, era5_channels, state_channels, background_channels)
     params = {
         "format": _MANIFEST_FORMAT,
         "height": int(height),
         "width": int(width),
-        "hrrr_channels": [str(c) for c in hrrr_channels],
-        "era5_channels": [str(c) for c in era5_channels],
+        naming.keys[0]: [str(c) for c in state],
+        naming.keys[1]: [str(c) for c in background],
         "invariants": [str(c) for c in invariants],
         "years": [int(y) for y in years],
         "hours_per_year": int(hours_per_year),
@@ -299,15 +324,17 @@ def _normalise_params(
         raise ValueError(f"hours_per_year must be >= 1, got {params['hours_per_year']}")
     if params["row_chunk"] < 1:
         raise ValueError(f"row_chunk must be >= 1, got {params['row_chunk']}")
-    if not params["hrrr_channels"]:
-        raise ValueError("need at least one HRRR channel")
+    if not params[naming.keys[0]]:
+        raise ValueError(f"need at least one {naming.labels[0]} channel")
     if not params["years"]:
         raise ValueError("need at least one year")
-    for key in ("hrrr_channels", "era5_channels", "invariants", "years"):
+    for key in (*naming.channel_keys, "years"):
         if len(set(params[key])) != len(params[key]):
             raise ValueError(f"duplicate entries in {key}: {params[key]}")
     if layout_ not in layout.LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(layout.LAYOUTS)}, got {layout_!r}")
+    if layout_ == layout.PHYSICSNEMO and naming is not layout.STORMCAST:
+        raise ValueError(f"the physicsnemo layout is StormCast's; write {naming.recipe}'s stores in the native one")
     # keys beyond the original ones only when they differ from the defaults, so the manifest of
     # a store written before they existed still matches
     if layout_ == layout.PHYSICSNEMO or latlon:
@@ -457,7 +484,9 @@ def _write_contents(out: Path, p: dict) -> None:
     from recipes.weather.physicsnemo_layout import LatLonBilinear
 
     height, width, row_chunk = p["height"], p["width"], p["row_chunk"]
-    hrrr_names, era5_names, inv_names = p["hrrr_channels"], p["era5_channels"], p["invariants"]
+    naming = layout.naming_of(p)
+    state, background_src = naming.stores  # StormCast: hrrr, era5
+    hrrr_names, era5_names, inv_names = (p[k] for k in naming.channel_keys)
     n_h, n_e = len(hrrr_names), len(era5_names)
     fmt, latlon = p.get("layout", layout.NATIVE), p.get("latlon", False)
     rng = np.random.default_rng(p["seed"])
@@ -490,8 +519,8 @@ def _write_contents(out: Path, p: dict) -> None:
 
     hrrr_scale = np.array([physical_scale(n) for n in hrrr_names], dtype=np.float64).reshape(n_h, 2)
     era5_scale = np.array([physical_scale(n) for n in era5_names], dtype=np.float64).reshape(n_e, 2)
-    sums = {layout.HRRR: np.zeros((n_h, 2)), layout.ERA5: np.zeros((n_e, 2))}
-    count = {layout.HRRR: 0, layout.ERA5: 0}
+    sums = {state: np.zeros((n_h, 2)), background_src: np.zeros((n_e, 2))}
+    count = {state: 0, background_src: 0}
     era5_time_sum = None
 
     def on_hrrr_grid(fields: np.ndarray) -> np.ndarray:
@@ -539,8 +568,8 @@ def _write_contents(out: Path, p: dict) -> None:
         era5 = np.concatenate(era5_blocks)
         del era5_blocks
         for source, data, names, scale in (
-            (layout.HRRR, hrrr, hrrr_names, hrrr_scale),
-            (layout.ERA5, era5, era5_names, era5_scale),
+            (state, hrrr, hrrr_names, hrrr_scale),
+            (background_src, era5, era5_names, era5_scale),
         ):
             # to physical units, in place: mean + scale * field
             data *= scale[:, 1].astype(np.float32)[:, None, None]
@@ -555,7 +584,7 @@ def _write_contents(out: Path, p: dict) -> None:
             if fmt == layout.PHYSICSNEMO:
                 _write_pn_year(out, source, year, p["years"], data, hours, names, geo, row_chunk)
                 continue
-            if source == layout.ERA5 and latlon:
+            if source == background_src and latlon:
                 data = on_hrrr_grid(data)  # the native layout holds ERA5 on the HRRR grid
             store = layout.year_store(out, source, year)
             store.parent.mkdir(parents=True, exist_ok=True)
@@ -566,7 +595,7 @@ def _write_contents(out: Path, p: dict) -> None:
 
     means, stds = {}, {}
     for source, s in sums.items():
-        ref = (hrrr_scale if source == layout.HRRR else era5_scale)[:, 0]
+        ref = (hrrr_scale if source == state else era5_scale)[:, 0]
         shift = s[:, 0] / count[source]
         stds[source] = np.sqrt(np.maximum(s[:, 1] / count[source] - shift**2, 0.0)).astype(np.float32)
         means[source] = (ref + shift).astype(np.float32)
@@ -678,8 +707,10 @@ def write_synthetic(
     *,
     height: int = 32,
     width: int = 32,
-    hrrr_channels: Sequence[str] = DEFAULT_HRRR_CHANNELS,
-    era5_channels: Sequence[str] = DEFAULT_ERA5_CHANNELS,
+    hrrr_channels: Sequence[str] | None = None,
+    era5_channels: Sequence[str] | None = None,
+    state_channels: Sequence[str] | None = None,
+    background_channels: Sequence[str] | None = None,
     invariants: Sequence[str] = DEFAULT_INVARIANTS,
     years: Sequence[int] = (2020, 2021),
     hours_per_year: int = DEFAULT_HOURS_PER_YEAR,
@@ -694,6 +725,11 @@ def write_synthetic(
     """Write a synthetic store at ``root`` (atomically; no-op if already there) and return ``root``.
 
     Each year holds ``hours_per_year`` consecutive hours from Jan 1 00:00 UTC.
+
+    The channel lists are named as in the data configs: ``hrrr_channels`` and ``era5_channels``
+    (default :data:`DEFAULT_HRRR_CHANNELS`, :data:`DEFAULT_ERA5_CHANNELS`) write StormCast's
+    stores (``hrrr/``, ``era5/``); ``state_channels`` and ``background_channels`` write
+    StormScope's (``state/``, ``background/``, native layout only). Not both.
 
     ``layout="physicsnemo"`` writes PhysicsNeMo's StormCast layout instead of ours (zarr v2
     with consolidated metadata and xarray-style coordinates, the years under ``train/`` and
@@ -715,6 +751,8 @@ def write_synthetic(
         width=width,
         hrrr_channels=hrrr_channels,
         era5_channels=era5_channels,
+        state_channels=state_channels,
+        background_channels=background_channels,
         invariants=invariants,
         years=years,
         hours_per_year=hours_per_year,
@@ -736,8 +774,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--years", type=int, nargs="+", default=[2020, 2021])
     ap.add_argument("--hours-per-year", type=int, default=DEFAULT_HOURS_PER_YEAR)
-    ap.add_argument("--hrrr-channels", nargs="+", default=list(DEFAULT_HRRR_CHANNELS))
-    ap.add_argument("--era5-channels", nargs="*", default=list(DEFAULT_ERA5_CHANNELS))
+    ap.add_argument("--hrrr-channels", nargs="+", help=f"StormCast's state (default {' '.join(DEFAULT_HRRR_CHANNELS)})")
+    ap.add_argument("--era5-channels", nargs="*", help=f"its background (default {' '.join(DEFAULT_ERA5_CHANNELS)})")
+    ap.add_argument("--state-channels", nargs="+", help="StormScope's stores instead (state/): its state channels")
+    ap.add_argument("--background-channels", nargs="*", help="StormScope's background channels (background/)")
     ap.add_argument("--invariants", nargs="*", default=list(DEFAULT_INVARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--row-chunk", type=int, default=layout.DEFAULT_ROW_CHUNK)
@@ -770,6 +810,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             width=args.width,
             hrrr_channels=args.hrrr_channels,
             era5_channels=args.era5_channels,
+            state_channels=args.state_channels,
+            background_channels=args.background_channels,
             invariants=args.invariants,
             years=args.years,
             hours_per_year=args.hours_per_year,
@@ -785,6 +827,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - t0
+    params = _read_manifest(root)  # what was written (or found): channel lists under its naming's keys
+    naming = layout.naming_of(params)
     verb = "wrote" if wrote else "already complete, nothing written:"
     print(f"{verb} {root} in {elapsed:.2f} s")
     print(
@@ -802,14 +846,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {layout.pn_missing_samples_file(root)}")
     else:
         for year in args.years:
-            for source in layout.SOURCES:
+            for source in naming.stores:
                 print(f"  {layout.year_store(root, source, year)}")
         print(f"  {layout.invariants_store(root)}")
-        for source in layout.SOURCES:
+        for source in naming.stores:
             for kind in layout.STAT_KINDS:
                 print(f"  {layout.stats_file(root, source, kind)}")
-    print(f"  hrrr channels: {' '.join(args.hrrr_channels)}")
-    print(f"  era5 channels: {' '.join(args.era5_channels)}")
+    for source, key in zip(naming.stores, naming.keys):
+        print(f"  {source} channels: {' '.join(params[key])}")
     print(f"  invariants:    {' '.join(args.invariants)}")
     print(f"  chunks (1, 1, {min(args.row_chunk, args.height)}, {args.width}) per (time, channel, y, x)")
     return 0

@@ -1,6 +1,9 @@
 """The StormCast regression task: [state_t, ERA5 background, invariants] -> state_t+dt.
 
-The trainer calls ``loss`` and ``val_step``; everything weather-specific lives here.
+The trainer calls ``loss`` and ``val_step``; everything weather-specific lives here. The tasks
+read the state and background channel lists under the keys of their data config
+(``recipes.weather.layout.Naming``: StormCast's ``hrrr_channels`` / ``era5_channels``,
+StormScope's ``state_channels`` / ``background_channels``) and record them under those keys.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from framework import registry
 from framework.errors import ConfigError, DataError
 from framework.task import Task
+from recipes.weather import layout
 
 # Input conventions a trained model depends on, with the values of exports that predate them.
 DATA_CONVENTIONS = {"background_time": "target", "invariant_norm": "zscore", "dt": 1}
@@ -69,6 +73,7 @@ class RegressionTask(Task):
     def __init__(self, run, env, device: torch.device, barrier=lambda: None, domain=None):
         super().__init__(run, env, device, barrier=barrier, domain=domain)
         self.data_cfg, self.model_cfg, self.cfg = run.data, run.model, run.task
+        self.channels = layout.channel_lists(run.data)  # {"state", "background", "invariants"}: names
         self._train = self._val = None
         self._figure = None
         # Domain parallel: this rank reads and computes only its band of rows, and its
@@ -103,14 +108,15 @@ class RegressionTask(Task):
     @staticmethod
     def model_io(data: dict, task: dict) -> tuple[int, int]:
         """(in, out) channels of the net: [state, background, invariants] -> state."""
-        n = len(data["hrrr_channels"])
-        return n + len(data.get("era5_channels") or []) + len(data.get("invariants") or []), n
+        channels = layout.channel_lists(data)
+        n = len(channels["state"])
+        return n + len(channels["background"]) + len(channels["invariants"]), n
 
     @classmethod
     def export_spec(cls, config: dict) -> dict:
         """The model config of a run: its ``model`` node, in/out channels and grid, the builder's
-        ``kwargs``, and the task node and channel names, so a consumer (the diffusion stage,
-        inference) checks it is fed the data the model was trained on."""
+        ``kwargs``, and the task node and channel names (under the data config's keys), so a consumer
+        (the diffusion stage, inference) checks it is fed the data the model was trained on."""
         if (
             not isinstance(config, dict)
             or not isinstance(config.get("model"), dict)
@@ -126,7 +132,7 @@ class RegressionTask(Task):
             raise DataError(f"checkpoint meta.json: data config lacks channels or grid ({e})") from None
         kwargs = {k: v for k, v in model.items() if k != "name"}
         kwargs.update(img_resolution=grid, in_channels=in_channels, out_channels=out_channels)
-        channels = {k: list(data.get(k) or []) for k in ("hrrr_channels", "era5_channels", "invariants")}
+        channels = {k: list(data.get(k) or []) for k in layout.naming_of(data).channel_keys}
         # How the inputs were made; exports written before these keys existed were trained with
         # the background at the target time and z-scored invariants (see data_conventions).
         conventions = {k: data.get(k, v) for k, v in DATA_CONVENTIONS.items()}
@@ -152,10 +158,11 @@ class RegressionTask(Task):
 
     # data --------------------------------------------------------------------------------
     def _dataset(self, years):
+        from recipes.weather.config import SyntheticStores
         from recipes.weather.dataset import HrrrEra5Dataset
 
         d = self.data_cfg
-        if d.name == "synthetic":
+        if isinstance(d, SyntheticStores):
             self._ensure_synthetic()
         ds = HrrrEra5Dataset.from_config(d, years)
         if tuple(ds.grid) != tuple(d.grid):
@@ -174,9 +181,7 @@ class RegressionTask(Task):
                     d.root,
                     height=d.grid[0],
                     width=d.grid[1],
-                    hrrr_channels=list(d.hrrr_channels),
-                    era5_channels=list(d.era5_channels),
-                    invariants=list(d.invariants),
+                    **{k: list(getattr(d, k)) for k in layout.naming_of(d).channel_keys},  # its keys are the writer's
                     years=sorted(set(d.train_years) | set(d.val_years)),
                     hours_per_year=d.hours_per_year,
                     seed=d.generator_seed,
@@ -198,9 +203,7 @@ class RegressionTask(Task):
 
     # model -------------------------------------------------------------------------------
     def _plain_io(self) -> tuple[int, int]:
-        d = self.data_cfg
-        plain = {k: list(getattr(d, k)) for k in ("hrrr_channels", "era5_channels", "invariants")}
-        return self.model_io(plain, {"conditions": list(getattr(self.cfg, "conditions", []))})
+        return self.model_io(self.data_cfg, {"conditions": list(getattr(self.cfg, "conditions", []))})
 
     def build_model(self) -> torch.nn.Module:
         in_ch, out_ch = self._plain_io()
@@ -217,11 +220,12 @@ class RegressionTask(Task):
         d = self.data_cfg
         rows = d.grid[0] if self.rows is None else self.rows.stop - self.rows.start
         field = lambda names: empty((batch_size, len(names), rows, d.grid[1]))  # noqa: E731
+        ch = self.channels
         return {
-            "state": field(d.hrrr_channels),
-            "target": field(d.hrrr_channels),
-            "background": field(d.era5_channels),
-            "invariants": field(d.invariants),
+            "state": field(ch["state"]),
+            "target": field(ch["state"]),
+            "background": field(ch["background"]),
+            "invariants": field(ch["invariants"]),
             "index": torch.arange(batch_size),  # read as numbers (diffusion keys its draws by them)
         }
 
@@ -270,7 +274,7 @@ class RegressionTask(Task):
 
     def draw_fields(self, out_dir, step: int, fields: dict, channels: list[int], shown: str) -> dict:
         """Field and spectrum figures of ``fields`` ({label: (len(channels), rows, W)}, normalised),
-        one pair per HRRR channel index in ``channels``; the field figure shows ``fields[shown]``
+        one pair per state (HRRR) channel index in ``channels``; the field figure shows ``fields[shown]``
         against ``fields["truth"]``.
 
         Domain ranks hold bands of rows: the fields are gathered (comm.gather_rows) before the
@@ -284,10 +288,10 @@ class RegressionTask(Task):
             return {}
         from recipes.weather.plots import field_figure, spectra_figure
 
-        ds, names = self.val_dataset(), self.data_cfg.hrrr_channels
+        ds, names = self.val_dataset(), self.channels["state"]
         out, title = {}, f"{self.run.recipe}, step {step}: first validation sample"
         for j, c in enumerate(channels):
-            name, mean, std = names[c], float(ds.hrrr_means[c]), float(ds.hrrr_stds[c])
+            name, mean, std = names[c], float(ds.state_means[c]), float(ds.state_stds[c])
             phys = {k: v[j].cpu().double().numpy() * std + mean for k, v in fields.items()}  # physical units
             out[f"fields/{name}"] = str(
                 field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name, phys["truth"], phys[shown], title)
@@ -300,13 +304,13 @@ class RegressionTask(Task):
     def val_summary(self, sums: dict[str, torch.Tensor]) -> dict:
         mse = (sums["se_model"] / sums["count"]).cpu()
         mse_p = (sums["se_persistence"] / sums["count"]).cpu()
-        stds = torch.as_tensor(self.val_dataset().hrrr_stds, dtype=torch.float64)
+        stds = torch.as_tensor(self.val_dataset().state_stds, dtype=torch.float64)
         row = {
             "loss": float(mse.mean()),
             "rmse": float(mse.sqrt().mean()),
             "rmse_persistence": float(mse_p.sqrt().mean()),
         }
-        for i, name in enumerate(self.data_cfg.hrrr_channels):  # physical units
+        for i, name in enumerate(self.channels["state"]):  # physical units
             row[f"rmse/{name}"] = float(mse[i].sqrt() * stds[i])
             row[f"rmse_persistence/{name}"] = float(mse_p[i].sqrt() * stds[i])
         return row

@@ -16,6 +16,11 @@ run's own config, so it is exactly the trained architecture.
 ``data`` node, or a dict with the channel lists and ``background_time``, ``invariant_norm``,
 ``dt``): the channel lists are recorded when their counts fit the model's, else left None, and
 ``check_channels`` then refuses the counts in one line.
+
+Channel lists go under the keys of the data config they come from (``recipes.weather.layout.Naming``):
+StormCast's ``hrrr_channels``, ``era5_channels``, ``invariants``, StormScope's ``state_channels``,
+``background_channels``, ``invariants``. A model recorded under one recipe's keys is refused, in one
+line, by a data config with the other's.
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ import torch
 
 from framework import registry
 from framework.errors import ConfigError, DataError
+from recipes.weather.layout import naming_of
 
 log = logging.getLogger("framework")
 
-CHANNEL_KEYS = ("hrrr_channels", "era5_channels", "invariants")
 CONVENTION_KEYS = ("background_time", "invariant_norm", "dt")
 
 
@@ -42,7 +47,7 @@ class ModelInfo:
     name: str  # the model registry name (songunet, dit)
     model: dict  # the model config node
     task: dict  # the task config node of the training run
-    channels: dict  # hrrr_channels, era5_channels, invariants it was trained on (None: unknown, a .mdlus)
+    channels: dict  # the channel lists it was trained on, under its data config's keys (None: unknown, a .mdlus)
     grid: list[int]
     config: dict  # the whole export config (model_config of framework.export)
     checkpoint: Path | None = None  # the checkpoint directory ``path`` resolved to (None: a weights file)
@@ -62,9 +67,10 @@ def data_dict(data) -> dict | None:
     dict; the keys ``data`` lacks are left out. None for None."""
     if data is None:
         return None
+    channel_keys = naming_of(data).channel_keys
     get = data.get if isinstance(data, dict) else lambda k: getattr(data, k, None)
-    out = {k: get(k) for k in (*CHANNEL_KEYS, *CONVENTION_KEYS, "grid")}
-    for k in (*CHANNEL_KEYS, "grid"):
+    out = {k: get(k) for k in (*channel_keys, *CONVENTION_KEYS, "grid")}
+    for k in (*channel_keys, "grid"):
         if out[k] is not None:
             out[k] = list(out[k])
     return {k: v for k, v in out.items() if v is not None}
@@ -75,15 +81,16 @@ def recorded_data(info: ModelInfo) -> dict | None:
     when it does not name its channels (a .mdlus described without a data config)."""
     from recipes.weather.task import data_conventions
 
-    if any(info.channels.get(k) is None for k in CHANNEL_KEYS):
+    keys = naming_of(info.channels).channel_keys
+    if any(info.channels.get(k) is None for k in keys):
         return None
-    return {**{k: list(info.channels[k]) for k in CHANNEL_KEYS}, **data_conventions(info.config)}
+    return {**{k: list(info.channels[k]) for k in keys}, **data_conventions(info.config)}
 
 
 def _model_io(config: dict, channels: dict) -> tuple[int, int]:
     """(in, out) channels the model of ``config`` has for ``channels``, by its task's rule."""
     task = registry.tasks.entry(config["task"]["name"]).builder
-    names = {k: list(channels.get(k) or []) for k in CHANNEL_KEYS}
+    names = {k: list(channels.get(k) or []) for k in naming_of(channels).channel_keys}
     return task.model_io(names, config["task"])
 
 
@@ -95,9 +102,11 @@ def _mdlus_config(path: Path, data) -> dict:
     known = data_dict(data)
     if known is None:
         return cfg
-    names = {k: list(known.get(k) or []) for k in CHANNEL_KEYS}
-    if _model_io(cfg, names) == (cfg["in_channels"], cfg["out_channels"]):
-        cfg["channels"] = names  # else left unknown: check_channels names the counts
+    keys = naming_of(known).channel_keys
+    names = {k: list(known.get(k) or []) for k in keys}
+    # else unknown, under the data config's keys: check_channels names the counts
+    fits = _model_io(cfg, names) == (cfg["in_channels"], cfg["out_channels"])
+    cfg["channels"] = names if fits else dict.fromkeys(keys)
     cfg["data"] = {k: known[k] for k in CONVENTION_KEYS if k in known}
     return cfg
 
@@ -194,11 +203,23 @@ def load(path, device="cpu", *, data=None) -> tuple[torch.nn.Module, ModelInfo]:
 
 def check_channels(info: ModelInfo, data, what: str, *, grid: bool = True) -> None:
     """A ConfigError naming the first channel list or grid (``grid``, when ``data`` has one) that
-    differs from ``data``'s (a config node or a dict). A list the model does not record (None: a
-    .mdlus) is not compared, but the channel counts ``data`` makes must be the model's."""
+    differs from ``data``'s (a config node or a dict), or the recipes when the model records its
+    channels under the other recipe's keys or its task reads the other recipe's data (StormCast's
+    weights, a StormScope data config; a StormScope .mdlus, a StormCast data config). A list
+    the model does not record (None: a .mdlus) is not compared, but the channel counts ``data``
+    makes must be the model's."""
     known = data_dict(data) or {}
+    given = naming_of(known)
+    trained = naming_of(info.channels)  # a .mdlus: the keys it was described with, so the task's
+    if trained is given:
+        trained = getattr(registry.tasks.entry(info.task.get("name")).builder, "DATA_NAMING", given)
+    if trained is not given:
+        raise ConfigError(
+            f"{what}: {info.path} is a {trained.recipe} model (channels in {', '.join(trained.keys)}) but this "
+            f"is a {given.recipe} data config ({', '.join(given.keys)})"
+        )
     unknown = False
-    for key in CHANNEL_KEYS:
+    for key in given.channel_keys:
         have = info.channels.get(key)
         if have is None:
             unknown = True
@@ -210,7 +231,7 @@ def check_channels(info: ModelInfo, data, what: str, *, grid: bool = True) -> No
         want = _model_io(info.config, known)
         have = (info.config["in_channels"], info.config["out_channels"])
         if want != have:
-            counts = ", ".join(f"{len(known.get(k) or [])} {k}" for k in CHANNEL_KEYS)
+            counts = ", ".join(f"{len(known.get(k) or [])} {k}" for k in given.channel_keys)
             raise ConfigError(
                 f"{what}: {info.path} maps {have[0]} -> {have[1]} channels but the data config's "
                 f"channels ({counts}) make {want[0]} -> {want[1]}"

@@ -1,9 +1,11 @@
-"""StormScope (DiT, diffusion only) through the real CLI: it learns, every layout logs the
-single-process losses, a 2-D mesh checkpoint resumes, and inference runs on it (gloo, CPU).
+"""StormScope (DiT, diffusion only) through the real CLI: it learns from stores under its own names
+and records them, every layout logs the single-process losses, a 2-D mesh checkpoint resumes, and
+inference runs on it (gloo, CPU).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -47,6 +49,8 @@ def tmp(tmp_path_factory):
 def test_stormscope_learns_and_rolls_out(tmp):
     import zarr
 
+    from framework.export import model_config
+
     run = tmp / "learns"
     proc = cli(
         [
@@ -74,6 +78,30 @@ def test_stormscope_learns_and_rolls_out(tmp):
     )
     row = read(run / "metrics.jsonl", "train")[-1]
     assert row["tflops"] == pytest.approx(flops * row["samples_per_s"] / 1e12, rel=1e-6)
+    # StormScope's names: the synthetic stores it trained on are state/ and background/, and the
+    # checkpoint (hence an export) records its channels under StormScope's keys
+    data = tmp / "data"
+    assert sorted(p.name for p in data.iterdir()) == [
+        "background",
+        "invariants.zarr",
+        "state",
+        "stats",
+        "synthetic.json",
+    ]
+    assert sorted(p.name for p in (data / "state").iterdir()) == ["2020.zarr", "2021.zarr"]
+    assert sorted(p.stem for p in (data / "stats").iterdir()) == [
+        "background_means",
+        "background_stds",
+        "state_means",
+        "state_stds",
+    ]
+    channels = {"state_channels": ["abi08", "abi13", "refc"], "background_channels": ["u850", "v850", "t850"]}
+    assert json.loads((data / "synthetic.json").read_text()).items() >= channels.items()
+    meta = json.loads((run / "checkpoints" / "step_00000080" / "meta.json").read_text())
+    recorded = meta["config"]["data"]
+    assert recorded["name"] == "stormscope_synthetic" and recorded.items() >= channels.items()
+    assert not {"hrrr_channels", "era5_channels"} & set(recorded)
+    assert model_config(meta["config"])["channels"] == {**channels, "invariants": ["lsm", "orog"]}
     out = tmp / "scope.zarr"
     proc = run_module(
         "recipes.stormcast.inference",
