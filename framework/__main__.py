@@ -9,7 +9,7 @@ import sys
 import hydra
 
 from framework import cli
-from framework.distributed.env import die_with_launcher
+from framework.distributed.launcher import die_with_launcher
 
 
 @hydra.main(version_base="1.3", config_path=cli.CONF_DIR, config_name="config")

@@ -23,7 +23,9 @@ sys.path.insert(0, str(REPO))
 from framework.logging.jsonl import read  # noqa: E402
 
 
-def run_layout(layout: list[str], nproc: int, run_dir: Path, steps: int, extra: list[str]) -> list[float]:
+def run_layout(layout: list[str], nproc: int, run_dir: Path, steps: int, extra: list[str], run=None) -> list[float]:
+    """Train ``steps`` steps under ``layout`` on ``nproc`` processes; the logged train losses.
+    ``run(overrides, nproc)`` launches (default: python -m framework, under torchrun for nproc > 1)."""
     overrides = [
         *layout,
         "deterministic=true",
@@ -32,29 +34,25 @@ def run_layout(layout: list[str], nproc: int, run_dir: Path, steps: int, extra: 
         "trainer.val_every=0",
         "trainer.val_batches=1",
         "trainer.progress=false",
+        "trainer.figures=false",  # losses only (an override in extra wins)
         "checkpoint=none",
         f"hydra.run.dir={run_dir}",
         *extra,
     ]
-    launcher = (
-        [sys.executable, "-m", "framework"]
-        if nproc == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "framework",
-        ]
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([*launcher, *overrides], capture_output=True, text=True, env=env)
+    proc = (run or _launch)(overrides, nproc)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise SystemExit(f"run {' '.join(layout)} on {nproc} process(es) failed:\n{tail}")
     return [r["loss"] for r in read(run_dir / "metrics.jsonl", "train")]
+
+
+def _launch(overrides: list[str], nproc: int) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "framework"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        launcher += ["-m", "framework"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([*launcher, *overrides], capture_output=True, text=True, env=env)
 
 
 def compare(a: list[float], b: list[float]) -> float:

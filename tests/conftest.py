@@ -38,29 +38,84 @@ def framework_command(nproc: int = 1) -> list[str]:
     return [*torchrun, "-m", "framework"]
 
 
-def run_cli(args, cwd, env=None, timeout=600, nproc=1):
+def run_cli(args, cwd, env=None, timeout=600, nproc=1, real=False):
     """Run ``python -m framework`` as a user would (under torchrun for ``nproc`` > 1); returns the
     CompletedProcess. The checkout is on PYTHONPATH (after any PYTHONPATH in ``env``), so a run
-    from any ``cwd`` imports this tree."""
-    launcher = framework_command(nproc)
+    from any ``cwd`` imports this tree.
+
+    The run is forked from a pre-imported interpreter (tests/zygote.py: the same argv, environment,
+    files and exit status, without the imports' 5-15 s per process); ``real=True``, or a
+    PYTHONPATH of the caller's (which may shadow a preloaded package), starts a new interpreter
+    under the real torchrun instead."""
     env = dict(env or {})
+    shadow = env.pop("PYTHONPATH", None)
     # the caller's PYTHONPATH first (a test may shadow a package), then this checkout
-    path = os.pathsep.join(filter(None, [env.pop("PYTHONPATH", None), str(REPO), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [shadow, str(REPO), os.environ.get("PYTHONPATH")]))
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **env)
-    return subprocess.run([*launcher, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if real or shadow or os.environ.get("FRAMEWORK_TESTS_NO_ZYGOTE"):
+        cmd = [*framework_command(nproc), *args]
+        return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return _zygote().run("framework", [str(a) for a in args], cwd, full_env, nproc, timeout)
+
+
+class _Zygote:
+    """The client of tests/zygote.py: one per pytest process, started on first use."""
+
+    def __init__(self):
+        self.proc = None
+
+    def _start(self):
+        import atexit
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote"],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))),
+        )
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("tests/zygote.py did not start")
+        atexit.register(self.proc.kill)
+
+    def run(self, module, args, cwd, env, nproc, timeout):
+        import json
+        import tempfile
+
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            req = dict(module=module, argv=args, cwd=str(cwd), env=env, nproc=nproc, timeout=timeout)
+            req.update(stdout=str(out), stderr=str(err))
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            reply = json.loads(self.proc.stdout.readline())
+            stdout = out.read_text() if out.exists() else ""
+            stderr = err.read_text() if err.exists() else ""
+        cmd = [*framework_command(nproc), *args] if module == "framework" else [sys.executable, "-m", module, *args]
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+
+
+_ZYGOTE = _Zygote()
+
+
+def _zygote() -> _Zygote:
+    return _ZYGOTE
 
 
 def run_module(name: str, args, cwd, timeout=300):
-    """``python -m name args`` (an export or inference CLI) from ``cwd``, importing this checkout."""
+    """``python -m name args`` (an export or inference CLI) from ``cwd``, importing this checkout
+    (forked from the pre-imported interpreter, as run_cli)."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", name, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path),
-    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    if os.environ.get("FRAMEWORK_TESTS_NO_ZYGOTE"):
+        cmd = [sys.executable, "-m", name, *args]
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return _zygote().run(name, [str(a) for a in args], cwd, env, 1, timeout)
 
 
 def tiny_overrides(tmp_path, data_root, **extra):
@@ -77,6 +132,7 @@ def tiny_overrides(tmp_path, data_root, **extra):
         "trainer.val_every": 3,
         "trainer.val_batches": 1,
         "trainer.progress": "false",
+        "trainer.figures": "false",  # ~1-2 s per validation; tests/recipes/weather/test_plots.py draws them
         "checkpoint.every": 3,
         "schedule.warmup_steps": 2,
     }
@@ -112,10 +168,18 @@ def zarr_reads(monkeypatch):
     return calls
 
 
+def run_layout(layout: list[str], nproc: int, run_dir: Path, steps: int, extra: list[str]) -> list[float]:
+    """scripts/loss_compare.py's run of one layout (its train losses), launched by run_cli."""
+    from scripts.loss_compare import run_layout as _run_layout
+
+    def launch(overrides, n):
+        return run_cli(overrides, Path(run_dir).parent, env={"OMP_NUM_THREADS": "1"}, nproc=n)
+
+    return _run_layout(layout, nproc, run_dir, steps, extra, run=launch)
+
+
 def layout_reference(tmp_path_factory, name: str, extra: list[str], steps: int = 5):
     """A parallel=none run every layout is compared to: (tmp dir, overrides, losses)."""
-    from scripts.loss_compare import run_layout
-
     tmp = tmp_path_factory.mktemp(name)
     extra = [*extra, f"data.root={tmp / 'data'}"]
     return tmp, extra, run_layout(["parallel=none"], 1, tmp / "none", steps, extra)

@@ -49,6 +49,7 @@ class TrainerConfig:
     val_every: int = 100  # 0: validate only at the end
     val_batches: int = 4  # validation batches per evaluation; 0: the whole split
     progress: bool = True
+    figures: bool = True  # the task's validation figures (fields, spectra) at each validation
     compile: bool = False
     stop_before_end_min: float = 0.0  # SLURM: checkpoint and stop this long before the time limit
 

@@ -174,7 +174,8 @@ class Trainer:
             collectives.all_reduce_sum(v)
         row = {"step": self.step, "split": "val", **self.task.val_summary(sums)}
         self._log(row)
-        images = self.task.val_figures(self.run_dir / "plots", self.step)
+        # Off, the task keeps its first sample for a figure never drawn: a few small tensors.
+        images = self.task.val_figures(self.run_dir / "plots", self.step) if self.cfg.figures else {}
         for sink in self.sinks if images else ():
             if hasattr(sink, "log_images"):
                 sink.log_images(self.step, images)

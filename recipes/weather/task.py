@@ -63,6 +63,9 @@ class RowBand(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return self.dataset.read(i, rows=self.rows)
 
+    def __getitems__(self, indices):  # DataLoader's batched fetch: one read per store
+        return self.dataset.read_many(indices, rows=self.rows)
+
     def __getattr__(self, name):  # stats, channel names, grid: those of the whole dataset
         if name in ("dataset", "rows"):
             raise AttributeError(name)

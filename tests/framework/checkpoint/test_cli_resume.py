@@ -13,27 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, tiny_overrides
+from tests.conftest import REPO, framework_command, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.timeout(900)
 
 STEPS = 6  # checkpoints at 3 and 6; resumed runs train 4..6
 RTOL = 1e-5
-
-
-def command(overrides: list[str], nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "framework", *overrides]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "framework",
-        *overrides,
-    ]
 
 
 def env():
@@ -54,14 +39,7 @@ def overrides(tmp: Path, run: str, layout: list[str], **extra) -> list[str]:
 
 
 def launch(tmp: Path, run: str, layout: list[str], nproc: int, **extra) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        command(overrides(tmp, run, layout, **extra), nproc),
-        cwd=tmp,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_cli(overrides(tmp, run, layout, **extra), tmp, env={"OMP_NUM_THREADS": "1"}, nproc=nproc)
     assert proc.returncode == 0, f"{run} failed:\n{proc.stderr[-3000:]}"
     return proc
 
@@ -141,14 +119,11 @@ def test_kill_9_after_a_checkpoint_then_resume_latest(sources):
     run = tmp / "killed"
     # Validating every step only slows the run down (it changes no training state), so the
     # kill lands between the step-3 checkpoint and the end.
-    cmd = command(
-        overrides(
-            tmp,
-            "killed",
-            ["parallel=fsdp2"],
-            **{"checkpoint": "dcp_async", "trainer.val_every": 1, "trainer.val_batches": 0},
-        ),
-        2,
+    cmd = framework_command(2) + overrides(
+        tmp,
+        "killed",
+        ["parallel=fsdp2"],
+        **{"checkpoint": "dcp_async", "trainer.val_every": 1, "trainer.val_batches": 0},
     )
     proc = subprocess.Popen(
         cmd, cwd=tmp, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from scripts.loss_compare import compare, run_layout
-from tests.conftest import REPO, layout_reference
+from scripts.loss_compare import compare
+from tests.conftest import REPO, layout_reference, run_layout
 
 pytestmark = pytest.mark.timeout(600)
 

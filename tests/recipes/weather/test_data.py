@@ -297,6 +297,31 @@ def test_row_read_touches_fewer_chunks(store, zarr_reads):
     assert part_bytes < full_bytes
 
 
+def test_batched_read_equals_the_samples_read_one_by_one(store, zarr_reads):
+    """read_many (the DataLoader's __getitems__): the same samples, across both years, with a
+    channel subset and a band of rows, from one zarr selection per source and year store."""
+    ds = make(store, hrrr=["t2m", "u10m"], era5=["t850", "u850"], dt=2)
+    picked = [len(ds) - 1, 0, 5, T, 3, 5]  # unsorted, a repeat, both years
+    for rows in (None, slice(3, 11)):
+        many = ds.read_many(picked, rows)
+        assert [m["index"] for m in many] == picked
+        for i, got in zip(picked, many):
+            one = ds.read(i, rows)
+            for key in ("state", "target", "background", "invariants"):
+                torch.testing.assert_close(got[key], one[key], rtol=0, atol=0)
+    calls = zarr_reads
+    calls.clear()
+    ds.read_many([1, 2, 3, 4])
+    batch_bytes = sum(n for _, n in calls)
+    calls.clear()
+    for i in (1, 2, 3, 4):
+        ds.read(i)
+    assert batch_bytes < sum(n for _, n in calls)  # the shared times (state of i+2 = target of i) read once
+    loader = torch.utils.data.DataLoader(ds, batch_size=4)  # takes __getitems__
+    batch = next(iter(loader))
+    torch.testing.assert_close(batch["state"][2], ds[2]["state"], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- bad data
 
 

@@ -28,6 +28,7 @@ DIFF = [
     "task.val_members=2",
     "trainer.val_batches=1",
     "trainer.progress=false",
+    "trainer.figures=false",  # drawn where a test looks at them
     "schedule.warmup_steps=2",
 ]
 
@@ -53,6 +54,7 @@ def stage1(tmp_path_factory):
             "trainer.val_batches=1",
             "trainer.progress=false",
             "checkpoint.every=20",
+            "trainer.figures=false",
             "model.channel_mult=[1,2]",
         ],
         tmp,
@@ -83,6 +85,7 @@ def test_diffusion_loss_falls(stage1):
             "trainer.log_every=1",
             "trainer.val_every=100",
             "checkpoint.every=100",
+            "trainer.figures=true",
             "optim.lr=3e-3",
         ],
         tmp,

@@ -4,7 +4,7 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from scripts.loss_compare import run_layout
+from tests.conftest import run_layout
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -15,6 +15,7 @@ EXTRA = [
     "model.model_channels=8",
     "trainer.val_every=3",
     "trainer.val_batches=1",
+    "trainer.figures=true",
 ]
 
 
