@@ -135,9 +135,9 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
         plan=registry.models.entry(run.model.name).split_plan,
         model_name=run.model.name,
     )
-    if run.trainer.compile:  # per block class, before sharding, as torchtitan orders it
-        from framework.train.compile import compile_model
+    from framework.train.compile import compile_model, compile_wanted
 
+    if compile_wanted(run.trainer.compile, device.type):  # per block class, before sharding, as torchtitan orders it
         compile_model(
             model,
             units=list(run.sharding.units),

@@ -50,7 +50,7 @@ class TrainerConfig:
     val_batches: int = 4  # validation batches per evaluation; 0: the whole split
     progress: bool = True
     figures: bool = True  # the task's validation figures (fields, spectra) at each validation
-    compile: bool = False
+    compile: bool | None = False  # null: auto, compiled on CUDA and eager on CPU (the GPU presets)
     stop_before_end_min: float = 0.0  # SLURM: checkpoint and stop this long before the time limit
 
     def __post_init__(self):

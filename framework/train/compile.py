@@ -50,6 +50,12 @@ from torch import nn
 log = logging.getLogger("framework")
 
 
+def compile_wanted(setting: bool | None, device_type: str) -> bool:
+    """``trainer.compile``: true and false as said; null (auto, the GPU presets) compiles on CUDA,
+    where it pays (1.7x the eager step for the regression preset), and leaves CPU runs eager."""
+    return setting if setting is not None else device_type == "cuda"
+
+
 def dispatch_mode_active() -> bool:
     """A torch dispatch mode (FlopCounterMode, a debug mode) is on: dynamo would skip the frame for good."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from framework.train.compile import RegionForward, compile_model
+from framework.train.compile import RegionForward, compile_model, compile_wanted
 from recipes.stormcast.layers import UNetBlock
 from recipes.stormcast.songunet import SongUNet
 from tests.multiproc import spawn
@@ -64,6 +64,15 @@ def _train(model, batches) -> list[float]:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
+
+
+@pytest.mark.parametrize("recipe", ["stormcast", "stormcast_fast", "stormcast_diffusion", "stormscope"])
+def test_gpu_presets_compile_on_cuda_and_stay_eager_on_cpu(compose, recipe):
+    setting = compose([f"recipe={recipe}", "data.root=/data"]).trainer.compile
+    assert setting is None  # auto
+    assert compile_wanted(setting, "cuda") and not compile_wanted(setting, "cpu")
+    assert not compile_wanted(False, "cuda") and compile_wanted(True, "cpu")  # said: as said
+    assert compose([]).trainer.compile is False  # the default job: eager unless asked
 
 
 def test_compiled_training_matches_eager_fp32():

@@ -11,9 +11,10 @@ import psutil
 import pytest
 
 from framework.logging.jsonl import read
-from tests.conftest import framework_command, tiny_overrides
+from tests.conftest import framework_command, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.timeout(600)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as _launch: the curves compared to 1e-5 come from one thread each
 
 
 def _overrides(tmp_path, run, **extra):
@@ -61,8 +62,9 @@ def _train_losses(path):
 
 @pytest.mark.parametrize("nproc,layout", [(1, "none"), (2, "fsdp2")])
 def test_signal_checkpoints_stops_and_resume_continues_the_curve(tmp_path, nproc, layout):
-    unbroken = _launch(_overrides(tmp_path, "unbroken", parallel=layout), nproc, tmp_path)
-    assert unbroken.wait(timeout=400) == 0, unbroken.communicate()[1][-3000:]
+    unbroken_args = _overrides(tmp_path, "unbroken", parallel=layout)
+    unbroken = run_cli(unbroken_args, tmp_path, env=ONE_THREAD, nproc=nproc, timeout=400)
+    assert unbroken.returncode == 0, unbroken.stderr[-3000:]
 
     args = _overrides(tmp_path, "run", parallel=layout)
     proc = _launch(args, nproc, tmp_path)
@@ -78,8 +80,9 @@ def test_signal_checkpoints_stops_and_resume_continues_the_curve(tmp_path, nproc
     assert (tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "meta.json").is_file()
     assert 3 <= step < 40
 
-    again = _launch(args, nproc, tmp_path)
-    assert again.wait(timeout=400) == 0, again.communicate()[1][-3000:]
+    # only the signalled run needs the real launcher (its rank gets the signal)
+    again = run_cli(args, tmp_path, env=ONE_THREAD, nproc=nproc, timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
     got, ref = _train_losses(tmp_path / "run" / "metrics.jsonl"), _train_losses(tmp_path / "unbroken" / "metrics.jsonl")
     assert sorted(got) == list(range(1, 41))
     for s in range(1, 41):
