@@ -61,7 +61,8 @@ def compare(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
 
 
-def main(argv=None) -> int:
+def main(argv=None, run=None) -> int:
+    """The script; ``run`` launches each layout (as run_layout's, default: a new process)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a", nargs="+", default=["parallel=none"], help="overrides of layout A")
     ap.add_argument("--b", nargs="+", required=True, help="overrides of layout B")
@@ -74,8 +75,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
-        la = run_layout(args.a, args.nproc_a, out / "a", args.steps, args.extra)
-        lb = run_layout(args.b, args.nproc_b, out / "b", args.steps, args.extra)
+        la = run_layout(args.a, args.nproc_a, out / "a", args.steps, args.extra, run=run)
+        lb = run_layout(args.b, args.nproc_b, out / "b", args.steps, args.extra, run=run)
     name_a = f"{' '.join(args.a)} x{args.nproc_a}"
     name_b = f"{' '.join(args.b)} x{args.nproc_b}"
     print(f"{'step':>4}  {name_a:>28}  {name_b:>28}  rel.diff")

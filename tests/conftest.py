@@ -140,26 +140,7 @@ def tiny_overrides(tmp_path, data_root, **extra):
     return [f"{k}={v}" for k, v in o.items()]
 
 
-# The slowest files (call time on 2 cores, most first). pytest-xdist's --dist loadfile hands out
-# files in collection order, so these go first: a long file started last would run alone at the end.
-SLOW_FILES = (
-    "tests/framework/test_cli.py",
-    "tests/framework/train/test_preemption.py",
-    "tests/framework/checkpoint/test_cli_resume.py",
-    "tests/framework/distributed/test_loss_parity.py",
-    "tests/slurm/test_local_cluster.py",
-    "tests/recipes/stormscope/test_training.py",
-    "tests/recipes/weather/test_diffusion.py",
-    "tests/framework/domain/test_training.py",
-    "tests/framework/checkpoint/test_dcp.py",
-    "tests/slurm/test_preemption.py",
-    "tests/framework/train/test_compile.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {f: i for i, f in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: else as collected
     import torch
 
     if torch.cuda.is_available():

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from scripts.loss_compare import compare
-from tests.conftest import REPO, layout_reference, run_layout
+from tests.conftest import layout_reference, run_cli, run_layout
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,26 +34,18 @@ def test_layout_logs_the_losses_of_one_process(reference, layout, nproc):
     assert compare(ref, losses) <= 1e-5, (ref, losses)
 
 
-def test_loss_compare_script_reports_and_exits_zero(reference):
+def test_loss_compare_script_reports_and_exits_zero(reference, capsys):
+    from scripts import loss_compare
+
     tmp, extra, _ = reference
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "loss_compare.py"),
-            "--b",
-            "parallel=fsdp2",
-            "--nproc-b",
-            "2",
-            "--steps",
-            "3",
-            "--",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "max relative difference" in proc.stdout and "within rtol" in proc.stdout
+
+    def launch(overrides, nproc):  # the script's runs, forked as the other tests' (tests/zygote.py)
+        return run_cli(overrides, tmp, env={"OMP_NUM_THREADS": "1"}, nproc=nproc)
+
+    argv = ["--b", "parallel=fsdp2", "--nproc-b", "2", "--steps", "3", "--", *extra]
+    assert loss_compare.main(argv, run=launch) == 0
+    out = capsys.readouterr().out
+    assert "max relative difference" in out and "within rtol" in out
 
 
 def test_start_up_report_and_sharded_parameter_bytes(reference):
@@ -71,22 +63,7 @@ def test_start_up_report_and_sharded_parameter_bytes(reference):
 
 
 def test_unsynchronised_replicas_are_refused(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "framework",
-            "parallel=none",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
+    proc = run_cli(["parallel=none", f"hydra.run.dir={tmp_path}"], tmp_path, nproc=2)
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode != 0 and errors
     assert all("sharding=none on 2 ranks would train 2 unsynchronised replicas" in ln for ln in errors)
