@@ -69,9 +69,11 @@ def kv_rows_needed(q_start: int, q_stop: int, kernel: int, grid_rows: int) -> tu
     """
     check_kernel(kernel)
     k = min(kernel, grid_rows)
-    first = int(window_starts(torch.tensor(q_start), kernel, grid_rows))
-    last = int(window_starts(torch.tensor(q_stop - 1), kernel, grid_rows))
-    return first, last + k
+
+    def start(pos: int) -> int:  # window_starts on a plain int: no tensor, so no graph break when compiled
+        return min(max(pos - kernel // 2, 0), grid_rows - k)
+
+    return start(q_start), start(q_stop - 1) + k
 
 
 def _axis_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, kernel: int, n: int) -> torch.Tensor:
@@ -303,6 +305,7 @@ def mask_mod_for(
     return mask_mod
 
 
+@torch.compiler.disable  # built eagerly once per geometry (the cache), not traced into every compiled step
 @functools.lru_cache(maxsize=64)
 def _block_mask(
     hq: int,
@@ -370,6 +373,8 @@ _warned_fallback = False
 
 
 def _counting_flops() -> bool:
+    if torch.compiler.is_compiling():  # compiled steps never run under a dispatch mode (train.compile)
+        return False
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return any(type(m).__name__ == "_FlopCounterMode" for m in _get_current_dispatch_mode_stack())
