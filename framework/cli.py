@@ -19,9 +19,9 @@ Two gates (docs/security.md):
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import NoReturn, cast
 
@@ -312,11 +312,15 @@ def main(cfg) -> dict:
     except FrameworkError as e:
         fail(e)
     except KeyboardInterrupt:
-        # What the abort cut short (a coroutine never awaited, a worker's pipe) would only
-        # warn at shutdown, after this line: the abort is the message.
-        warnings.simplefilter("ignore")
+        # The abort is the message: the process ends here, before interpreter shutdown runs
+        # what the abort cut short (zarr's event loop, a coroutine never awaited, a worker's
+        # pipe), whose complaints would print after this line. The lock and logs go first.
+        if lock is not None:
+            lock.release()
+        logging.shutdown()
         print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.stdout.flush()
+        os._exit(EXIT_INTERRUPTED)
     finally:
         if lock is not None:
             lock.release()
