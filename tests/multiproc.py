@@ -8,19 +8,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.zygote import PRELOAD
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.zygote import PRELOAD, free_port
 
 
 def _entry(rank, world, port, fn, args, errors, timeout_s):

@@ -43,7 +43,7 @@ PRELOAD = (
 STOP_GRACE_S = 5.0  # after the first failure, SIGTERM the other ranks, SIGKILL this long after
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -118,7 +118,7 @@ def _stop(pids: dict[int, int], sig: int) -> None:
 
 
 def launch(req: dict, base_path: list[str]) -> dict:
-    port = _free_port() if req["nproc"] > 1 else 0
+    port = free_port() if req["nproc"] > 1 else 0
     req["run_id"] = f"zygote-{os.getpid()}-{time.monotonic_ns()}"
     sys.stdout.flush()
     sys.stderr.flush()
