@@ -30,10 +30,12 @@ temperatures, MRMS reflectivity), ``<root>/background/<year>.zarr`` the coarse b
 the same grid, and the statistics are ``<root>/stats/state_{means,stds}.npy`` and
 ``background_{means,stds}.npy``.
 
-Chunking: the time-series ``data`` arrays are chunked ``(1, 1, row_chunk, x)``
-(``row_chunk`` defaults to 16), so one sample of one channel is a few whole-row
-chunks and a domain-parallel rank that owns a band of rows reads only that
-band's chunks, one channel at a time. The invariants are chunked
+Chunking: the time-series ``data`` arrays are chunked ``(1, channel_chunk, row_chunk, x)``
+(``row_chunk`` defaults to 16, ``channel_chunk`` to 1), so one sample of a channel is a few
+whole-row chunks and a domain-parallel rank that owns a band of rows reads only that
+band's chunks. The synthetic writer puts all of a store's channels in one chunk: its
+tiny samples would otherwise cost more in zarr's per-chunk overhead than in reading.
+The invariants are chunked
 ``(1, row_chunk, x)``; ``time`` is a single chunk. Writers may group those
 chunks into zarr v3 shards (the synthetic writer does, to keep the file count
 low); a shard never changes what a reader sees, and a row-band read still
@@ -150,9 +152,11 @@ def manifest_file(root: str | Path) -> Path:
     return Path(root) / SYNTHETIC_MANIFEST
 
 
-def time_series_chunks(height: int, width: int, row_chunk: int = DEFAULT_ROW_CHUNK) -> tuple[int, int, int, int]:
+def time_series_chunks(
+    height: int, width: int, row_chunk: int = DEFAULT_ROW_CHUNK, channel_chunk: int = 1
+) -> tuple[int, int, int, int]:
     """Chunk shape of a ``(time, channel, y, x)`` data array."""
-    return (1, 1, max(1, min(int(row_chunk), int(height))), int(width))
+    return (1, max(1, int(channel_chunk)), max(1, min(int(row_chunk), int(height))), int(width))
 
 
 def invariants_chunks(height: int, width: int, row_chunk: int = DEFAULT_ROW_CHUNK) -> tuple[int, int, int]:

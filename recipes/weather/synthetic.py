@@ -38,8 +38,9 @@ which is then renamed into place, so a reader never sees a half-written store.
 If ``root`` already holds a complete synthetic store written with the same
 parameters nothing is written; a concurrent writer that loses the rename race
 discards its copy and uses the winner's. The time-series arrays are chunked
-``(1, 1, row_chunk, x)`` and grouped into shards of 24 hours x 1 channel x all
-rows, which keeps the file count (and write time) low.
+``(1, channel_chunk, row_chunk, x)`` (all of a store's channels by default: a tiny sample's
+channel chunks would cost more in zarr's per-chunk overhead than in bytes) and grouped into
+shards of 24 hours x those channels x all rows, which keeps the file count (and write time) low.
 
 CLI::
 
@@ -299,6 +300,7 @@ def _normalise_params(
     hours_per_year,
     seed,
     row_chunk,
+    channel_chunk=0,
     layout_=layout.NATIVE,
     latlon=False,
     hrrr_spacing=DEFAULT_HRRR_SPACING,
@@ -317,6 +319,7 @@ def _normalise_params(
         "hours_per_year": int(hours_per_year),
         "seed": int(seed),
         "row_chunk": int(row_chunk),
+        "channel_chunk": int(channel_chunk),
     }
     if params["height"] < 2 or params["width"] < 2:
         raise ValueError(f"height and width must be >= 2, got {params['height']}x{params['width']}")
@@ -324,6 +327,8 @@ def _normalise_params(
         raise ValueError(f"hours_per_year must be >= 1, got {params['hours_per_year']}")
     if params["row_chunk"] < 1:
         raise ValueError(f"row_chunk must be >= 1, got {params['row_chunk']}")
+    if params["channel_chunk"] < 0:
+        raise ValueError(f"channel_chunk must be >= 0 (0: all of a store's channels), got {params['channel_chunk']}")
     if not params[naming.keys[0]]:
         raise ValueError(f"need at least one {naming.labels[0]} channel")
     if not params["years"]:
@@ -363,6 +368,15 @@ def _read_manifest(root: Path) -> dict | None:
         return None
 
 
+# How the bytes are chunked changes no sample: a store written with another chunking (or
+# before the key existed) serves the same request.
+_STORAGE_ONLY = ("channel_chunk",)
+
+
+def _identity(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k not in _STORAGE_ONLY}
+
+
 def _check_existing(root: Path, params: dict) -> bool:
     """True if ``root`` holds the complete store for ``params``; raise if it holds something else."""
     if not root.exists():
@@ -375,19 +389,19 @@ def _check_existing(root: Path, params: dict) -> bool:
             f"{root} exists but is not a complete synthetic store (no valid {layout.SYNTHETIC_MANIFEST}); "
             "refusing to overwrite it"
         )
-    if manifest != params:
-        diff = {k: (manifest.get(k), v) for k, v in params.items() if manifest.get(k) != v}
+    if _identity(manifest) != _identity(params):
+        diff = {k: (manifest.get(k), v) for k, v in _identity(params).items() if manifest.get(k) != v}
         raise FileExistsError(
             f"{root} already holds a synthetic store written with other parameters (existing, requested): {diff}"
         )
     return True
 
 
-def _create_time_series(group, data: np.ndarray, hours: np.ndarray, row_chunk: int) -> None:
-    n_time, _, height, width = data.shape
-    chunks = layout.time_series_chunks(height, width, row_chunk)
+def _create_time_series(group, data: np.ndarray, hours: np.ndarray, row_chunk: int, channel_chunk: int) -> None:
+    n_time, n_chan, height, width = data.shape
+    chunks = layout.time_series_chunks(height, width, row_chunk, min(channel_chunk or n_chan, max(n_chan, 1)))
     rows_per_shard = -(-height // chunks[2]) * chunks[2]
-    shards = (min(SHARD_HOURS, n_time), 1, rows_per_shard, width)
+    shards = (min(SHARD_HOURS, n_time), chunks[1], rows_per_shard, width)
     arr = group.create_array(
         layout.DATA_VAR,
         shape=data.shape,
@@ -589,7 +603,7 @@ def _write_contents(out: Path, p: dict) -> None:
             store = layout.year_store(out, source, year)
             store.parent.mkdir(parents=True, exist_ok=True)
             group = zarr.create_group(str(store), attributes={layout.CHANNELS_ATTR: list(names)})
-            _create_time_series(group, data, hours, row_chunk)
+            _create_time_series(group, data, hours, row_chunk, p["channel_chunk"])
         if fmt == layout.PHYSICSNEMO:
             era5_time_sum = era5.sum(axis=0, dtype=np.float64) + (0 if era5_time_sum is None else era5_time_sum)
 
@@ -716,6 +730,7 @@ def write_synthetic(
     hours_per_year: int = DEFAULT_HOURS_PER_YEAR,
     seed: int = 0,
     row_chunk: int = layout.DEFAULT_ROW_CHUNK,
+    channel_chunk: int = 0,
     layout: str = "native",
     latlon: bool = False,
     hrrr_spacing: float = DEFAULT_HRRR_SPACING,
@@ -724,7 +739,9 @@ def write_synthetic(
 ) -> Path:
     """Write a synthetic store at ``root`` (atomically; no-op if already there) and return ``root``.
 
-    Each year holds ``hours_per_year`` consecutive hours from Jan 1 00:00 UTC.
+    Each year holds ``hours_per_year`` consecutive hours from Jan 1 00:00 UTC. The native
+    time series are chunked ``(1, channel_chunk, row_chunk, width)``; ``channel_chunk=0`` (the
+    default) puts all of a store's channels in one chunk.
 
     The channel lists are named as in the data configs: ``hrrr_channels`` and ``era5_channels``
     (default :data:`DEFAULT_HRRR_CHANNELS`, :data:`DEFAULT_ERA5_CHANNELS`) write StormCast's
@@ -758,6 +775,7 @@ def write_synthetic(
         hours_per_year=hours_per_year,
         seed=seed,
         row_chunk=row_chunk,
+        channel_chunk=channel_chunk,
         layout_=layout,
         latlon=latlon,
         hrrr_spacing=hrrr_spacing,
@@ -781,6 +799,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--invariants", nargs="*", default=list(DEFAULT_INVARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--row-chunk", type=int, default=layout.DEFAULT_ROW_CHUNK)
+    ap.add_argument("--channel-chunk", type=int, default=0, help="channels per chunk (0: all of a store's)")
     ap.add_argument(
         "--layout",
         choices=layout.LAYOUTS,
@@ -817,6 +836,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hours_per_year=args.hours_per_year,
             seed=args.seed,
             row_chunk=args.row_chunk,
+            channel_chunk=args.channel_chunk,
             layout_=args.layout,
             latlon=args.latlon,
             hrrr_spacing=args.hrrr_spacing,

@@ -296,6 +296,7 @@ def store(tmp_path_factory):
         hours_per_year=6,
         years=(2020,),
         row_chunk=ROW_CHUNK,
+        channel_chunk=1,  # a chunk per channel and band of rows: each read below is one of them
     )
 
 

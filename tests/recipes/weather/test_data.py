@@ -67,7 +67,7 @@ def test_layout(store):
             assert group.attrs["channels"] == names
             data, time = group["data"], group["time"]
             assert data.shape == (T, len(names), H, W) and data.dtype == np.float32
-            assert data.chunks == (1, 1, ROW_CHUNK, W)
+            assert data.chunks == (1, len(names), ROW_CHUNK, W)  # all of a store's channels by default
             assert time.shape == (T,) and time.dtype == np.int64
             jan1 = int(np.datetime64(f"{year}-01-01T00", "h").astype(np.int64))
             np.testing.assert_array_equal(time[...], jan1 + np.arange(T))
@@ -92,6 +92,23 @@ def test_channels_have_physical_scales(store):
     assert s["msl"] > 50 * s["u10m"]  # so normalisation matters
     lsm, orog = zarr.open_group(str(store / "invariants.zarr"), mode="r")["data"][...]
     assert lsm.min() >= 0 and lsm.max() <= 1 and orog.min() >= 0 and orog.max() > 100
+
+
+def test_channel_chunking_changes_no_sample_and_an_old_store_is_reused(store, tmp_path):
+    one = write_synthetic(tmp_path / "one", **SMALL, channel_chunk=1)
+    data = zarr.open_group(str(layout.year_store(one, layout.HRRR, YEARS[0])), mode="r")["data"]
+    assert data.chunks == (1, 1, ROW_CHUNK, W)
+    a, b = make(store, hrrr=["t2m", "u10m"]), make(one, hrrr=["t2m", "u10m"])
+    for i in (0, 7, len(a) - 1):
+        for (ka, va), (kb, vb) in zip(a[i].items(), b[i].items()):
+            assert ka == kb and (torch.equal(va, vb) if torch.is_tensor(va) else va == vb)
+    # a store written one channel per chunk (or before the key existed) serves the default request
+    manifest = layout.manifest_file(one)
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "channel_chunk"}))
+    assert write_synthetic(one, **SMALL) == one
+    assert zarr.open_group(str(layout.year_store(one, layout.HRRR, YEARS[0])), mode="r")["data"].chunks[1] == 1
+    with pytest.raises(ValueError, match="channel_chunk must be >= 0"):
+        write_synthetic(tmp_path / "bad", **SMALL, channel_chunk=-1)
 
 
 def test_write_is_idempotent(tmp_path):
@@ -277,10 +294,11 @@ def test_read_rows_equals_slice(store):
 
 def test_row_read_touches_fewer_chunks(store, zarr_reads):
     calls = zarr_reads
-    chunk_bytes = ROW_CHUNK * W * 4  # one uncompressed (1, 1, ROW_CHUNK, W) float32 chunk
+    # one uncompressed (1, channels, ROW_CHUNK, W) float32 chunk of either source
+    chunk_bytes = {ROW_CHUNK * W * 4 * len(names) for names in (HRRR, ERA5)}
 
     def payload():
-        return [c for c in calls if c[0].startswith("data/c") and c[1] == chunk_bytes]
+        return [c for c in calls if c[0].startswith("data/c") and c[1] in chunk_bytes]
 
     ds = make(store)
     assert payload() == []  # validation reads no sample data
@@ -291,7 +309,7 @@ def test_row_read_touches_fewer_chunks(store, zarr_reads):
     calls.clear()
     ds.read(1, slice(0, ROW_CHUNK))
     part_chunks, part_bytes = len(payload()), sum(n for _, n in calls)
-    n_fields = 2 * len(HRRR) + len(ERA5)  # state + target + background
+    n_fields = 3  # state + target + background, all channels in one chunk
     assert full_chunks == n_fields * (H // ROW_CHUNK)
     assert part_chunks == n_fields
     assert part_bytes < full_bytes
