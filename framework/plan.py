@@ -368,9 +368,8 @@ def _traced(run, bands: list[int], micro: int) -> _Traced:
     return _TRACES[key]
 
 
-def build(run, layout: Layout, m: Machine) -> Plan:
-    """The plan of ``layout`` on ``m``; ConfigError (one line) where the layout cannot run."""
-    d = layout.degrees
+def _step_shape(run, d: Degrees) -> tuple[int, int, list[int]]:
+    """(samples per rank, samples per micro-step, rows per domain rank ([]: the whole field))."""
     batch = run.data.batch_size
     if batch % d.dp:
         raise ConfigError(f"data.batch_size={batch} is not divisible by {d.dp} data-parallel ranks")
@@ -378,7 +377,7 @@ def build(run, layout: Layout, m: Machine) -> Plan:
     micro = per_rank // run.trainer.grad_accum
     if micro < 1:
         raise ConfigError(f"trainer.grad_accum={run.trainer.grad_accum}: {per_rank} samples per rank are too few")
-    bands: list[int] = []  # rows per domain rank; [] the whole field
+    bands: list[int] = []
     if d.domain > 1:
         from framework.domain.comm import split_extents
         from framework.domain.splitter import model_plan
@@ -389,6 +388,33 @@ def build(run, layout: Layout, m: Machine) -> Plan:
         except NotImplementedError as e:
             raise ConfigError(str(e)) from None
         bands = split_extents(rows, d.domain, multiple)
+    return per_rank, micro, bands
+
+
+def step_flops(run, degrees: Degrees) -> tuple[float | None, str]:
+    """FLOPs of one sample's training step (forward + backward, the whole grid) and where they
+    come from: stated by the model, or counted on fake tensors. The trainer's tflops and MFU
+    use this: counting a real step would run that step eagerly under a dispatch mode, holding
+    the eager activations (87 GiB for the regression preset on an H200, 36 GiB compiled).
+    (None, why) where neither can say. The global random state is left as it was."""
+    import random
+
+    import numpy as np
+
+    _, micro, bands = _step_shape(run, degrees)
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):  # building the (fake) model draws its init
+            t = _traced(run, bands, micro)
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+    return t.flops, t.flops_source if t.flops is not None else t.note
+
+
+def build(run, layout: Layout, m: Machine) -> Plan:
+    """The plan of ``layout`` on ``m``; ConfigError (one line) where the layout cannot run."""
+    per_rank, micro, bands = _step_shape(run, layout.degrees)
     t = _traced(run, bands, micro)
 
     shards, world = layout.shards, m.world

@@ -9,12 +9,12 @@ with that signature reuses it: a 78.6 M-parameter UNet of 55 blocks has 22-24 si
 
 Why not ``unit.compile()`` per block (what this replaced): every block compiled
 ``nn.Module._call_impl``, one code object for all 55, so after dynamo's default
-``recompile_limit`` of 8 signatures the rest ran eager; worse, the trainer counts FLOPs on
-the first step under ``FlopCounterMode``, and dynamo permanently skips a frame it first
+``recompile_limit`` of 8 signatures the rest ran eager; worse, the trainer then counted FLOPs
+on the first step under ``FlopCounterMode``, and dynamo permanently skips a frame it first
 meets under a torch dispatch mode (seen with torch 2.13; the 2.11 GPU figures fit it: compiled
-ran at eager speed), so the first-step FLOP count left the blocks eager for good. Here the
-recompile limit is raised to the number of units, and a block runs eager while a dispatch
-mode is active (the FLOP-counting step), compiled from the next step on.
+ran at eager speed). Here the recompile limit is raised to the number of units, a block runs
+eager while a dispatch mode is active (a user's debug mode), and the trainer's FLOPs come from
+a step traced on fake tensors (``framework.plan.step_flops``), so the first step is compiled.
 
 Layouts: compiled before sharding (torchtitan's order). FSDP2's and DDP's hooks stay eager
 around the compiled forwards (``forward`` is replaced on the instance: hooks, parameter

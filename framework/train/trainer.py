@@ -73,6 +73,7 @@ class Trainer:
         run_dir: Path,
         dp_rank=0,
         dp_size=1,
+        flops_per_sample: float | None = None,
     ):
         self.cfg, self.run, self.env, self.device = cfg, run, env, device
         self.task, self.model, self.optimizer, self.scheduler = task, model, optimizer, scheduler
@@ -84,7 +85,8 @@ class Trainer:
         self.step = 0
         self.run_id = uuid.uuid4().hex[:12]
         self.init_from: dict | None = None  # what checkpoint.init_from loaded (recorded in checkpoints)
-        self.flops_per_sample: float | None = None
+        # one sample's training FLOPs, for tflops and MFU; None: counted on the first step
+        self.flops_per_sample = flops_per_sample
         self.skipped_steps = 0
         # First step whose loss or gradient norm was not finite (-1: none), kept on the device
         # and read only where the loop syncs anyway (log steps, saves, the end): no per-step sync.
@@ -229,7 +231,6 @@ class Trainer:
             stop.uninstall()
 
     def _loop(self, batches, console, stop, resumed) -> Summary:
-        data = self.run.data
         self.model.train()
         last_loss, val_row = None, {}
         watch = metrics.Stopwatch(self.device)
@@ -237,14 +238,14 @@ class Trainer:
         while self.step < self.cfg.max_steps:
             batch = self._to_device(next(batches))
             batch["step"] = self.step  # tasks key their random draws by it (equal on every layout)
-            if self.flops_per_sample is None:
+            if self.flops_per_sample is None:  # not traced at start-up (CPU): count this step
                 stated = self.task.flops_per_sample()
                 if stated:  # the model states its FLOPs (FlopCounterMode cannot see all kernels)
                     self.flops_per_sample = stated
                     loss, grad_norm = self.train_step(batch)
                 else:
                     (loss, grad_norm), flops = metrics.count_flops(lambda: self.train_step(batch))
-                    self.flops_per_sample = flops * self.env.world_size / data.batch_size  # every rank's share
+                    self.flops_per_sample = flops * self.env.world_size / self.run.data.batch_size  # all ranks
             else:
                 loss, grad_norm = self.train_step(batch)
             self.step += 1

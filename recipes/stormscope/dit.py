@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from recipes.stormscope import natten
 from recipes.stormscope.natten import IMPLS, check_kernel, neighbourhood_attention
 
 POS_EMBEDS = ("learned", "rope", "none")
@@ -170,6 +171,7 @@ class NeighbourhoodAttention(nn.Module):
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
         self.rope = Rope2d(self.head_dim) if rope else None
         self.proj = nn.Linear(hidden_size, hidden_size)
+        natten.prepare()  # before any compiled step traces the attention
 
     def apply_mask_token(self, x: torch.Tensor, invalid: torch.Tensor | None) -> torch.Tensor:
         """x (B, R, W, D) with the mask token at ``invalid`` (B, R, W, 1) bool tokens; x itself when

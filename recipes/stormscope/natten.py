@@ -305,7 +305,6 @@ def mask_mod_for(
     return mask_mod
 
 
-@torch.compiler.disable  # built eagerly once per geometry (the cache), not traced into every compiled step
 @functools.lru_cache(maxsize=64)
 def _block_mask(
     hq: int,
@@ -336,6 +335,19 @@ def _block_mask(
     )
 
 
+_EAGER_BLOCK_MASK = None  # _block_mask under torch.compiler.disable, made by prepare()
+
+
+def prepare() -> None:
+    """Make the block-mask builder run eagerly inside a compiled step: built once per geometry
+    (the cache), not traced into every compiled step. Called when an attention module is built,
+    outside any compile, and not at import: ``torch.compiler.disable`` imports dynamo (4.7 s),
+    which every run paid through the registry before."""
+    global _EAGER_BLOCK_MASK
+    if _EAGER_BLOCK_MASK is None:
+        _EAGER_BLOCK_MASK = torch.compiler.disable(_block_mask)
+
+
 @functools.cache
 def _compiled_flex():
     # One compiled callable shared by all calls; CUDA only (compiling on CPU costs ~20 s and CPU
@@ -361,7 +373,9 @@ def flex_neighbourhood_attention(
     grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
     hq, w, hk = q.shape[2], q.shape[3], k.shape[2]
     tile = tile_shape(max(hq, hk), w, tiled)
-    mask = _block_mask(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device, tile)
+    prepare()  # a no-op after the first call (an attention module's construction makes it)
+    assert _EAGER_BLOCK_MASK is not None
+    mask = _EAGER_BLOCK_MASK(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device, tile)
     fn = _compiled_flex() if q.device.type == "cuda" else _flex_api()[1]
     with warnings.catch_warnings():  # eager (CPU) flex warns that it is not compiled: that is the point here
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")

@@ -180,6 +180,32 @@ def test_activation_estimate_is_within_25_percent_of_a_real_steps_peak_rss():
     assert abs(estimate - growth) <= 0.25 * growth, (estimate / 2**20, growth / 2**20)
 
 
+# -- the trainer's FLOPs: counted on fake tensors, equal to a real step's --------------------------
+def test_step_flops_equal_a_real_steps_count_and_leave_the_random_state_alone():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from framework.distributed.env import DistEnv
+
+    run = _run()
+    state = torch.get_rng_state()
+    flops, source = plan.step_flops(run, Degrees(1, 1, 1))
+    assert torch.equal(torch.get_rng_state(), state)  # building the fake model drew nothing of ours
+    assert source == "counted with torch.utils.flop_counter"
+
+    from framework import registry
+
+    task = registry.tasks.entry(run.task.name).builder(run, DistEnv(), torch.device("cpu"))
+    model = task.build_model()
+    batch = task.example_batch(run.data.batch_size, lambda shape, dtype=torch.float32: torch.randn(shape).to(dtype))
+    batch["step"] = 0
+    with FlopCounterMode(display=False) as counter:
+        task.loss(model, batch).backward()
+    assert flops == counter.get_total_flops() / run.data.batch_size > 0
+    # two bands: the widest band's count (its halo rows included, as the ranks compute them), scaled
+    # to the whole grid: 8-row bands of a 16-row grid redo a few rows each
+    assert flops < plan.step_flops(run, Degrees(1, 1, 2))[0] < 1.25 * flops
+
+
 # -- parallel=auto ------------------------------------------------------------------------------
 def test_candidates_go_by_domain_degree_then_ddp_hsdp_fsdp2():
     got = [lay.describe() for lay in plan.candidates(plan.Machine(8, 4, None))]
