@@ -1,8 +1,5 @@
 """Through the real CLI under torchrun (gloo): every layout logs the losses of parallel=none."""
 
-import subprocess
-import sys
-
 import pytest
 
 from scripts.loss_compare import compare
@@ -70,26 +67,11 @@ def test_unsynchronised_replicas_are_refused(tmp_path):
 
 
 def test_degrees_that_do_not_match_the_world_exit_2(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "framework",
-            "parallel=fsdp2",
-            "parallel.domain=3",
-            "splitter=off",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
+    proc = run_cli(
+        ["parallel=fsdp2", "parallel.domain=3", "splitter=off", f"hydra.run.dir={tmp_path}"], tmp_path, nproc=2
     )
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     # One line per rank that got that far: torchrun stops the peers of the first rank to exit.
     assert 1 <= len(errors) <= 2 and all("cannot fill 2 ranks" in ln for ln in errors), proc.stderr
-    assert "framework/" not in proc.stderr  # no traceback of ours (torchrun reports the exit on its own)
+    assert "framework/" not in proc.stderr  # no traceback of ours

@@ -60,11 +60,18 @@ def _train_losses(path):
     return out
 
 
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    """The unbroken curve, from one process: every layout logs its losses (to ~1e-7 over these
+    40 steps; tests/framework/distributed/test_loss_parity.py), so it serves both layouts."""
+    tmp = tmp_path_factory.mktemp("unbroken")
+    proc = run_cli(_overrides(tmp, "unbroken", parallel="none"), tmp, env=ONE_THREAD, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _train_losses(tmp / "unbroken" / "metrics.jsonl")
+
+
 @pytest.mark.parametrize("nproc,layout", [(1, "none"), (2, "fsdp2")])
-def test_signal_checkpoints_stops_and_resume_continues_the_curve(tmp_path, nproc, layout):
-    unbroken_args = _overrides(tmp_path, "unbroken", parallel=layout)
-    unbroken = run_cli(unbroken_args, tmp_path, env=ONE_THREAD, nproc=nproc, timeout=400)
-    assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+def test_signal_checkpoints_stops_and_resume_continues_the_curve(tmp_path, nproc, layout, unbroken):
 
     args = _overrides(tmp_path, "run", parallel=layout)
     proc = _launch(args, nproc, tmp_path)
@@ -83,7 +90,7 @@ def test_signal_checkpoints_stops_and_resume_continues_the_curve(tmp_path, nproc
     # only the signalled run needs the real launcher (its rank gets the signal)
     again = run_cli(args, tmp_path, env=ONE_THREAD, nproc=nproc, timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
-    got, ref = _train_losses(tmp_path / "run" / "metrics.jsonl"), _train_losses(tmp_path / "unbroken" / "metrics.jsonl")
+    got, ref = _train_losses(tmp_path / "run" / "metrics.jsonl"), unbroken
     assert sorted(got) == list(range(1, 41))
     for s in range(1, 41):
         assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (s, got[s], ref[s])
