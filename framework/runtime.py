@@ -101,17 +101,21 @@ def _dist_message(e: Exception, env, timeout_s: float) -> str:
     return f"rank {env.rank}: a peer rank failed: {first}"
 
 
-def _step_flops(run, degrees, env, device) -> float | None:
-    """One sample's training FLOPs for tflops and MFU. On a GPU from a step traced on fake tensors
-    (framework/plan.py): the trainer's fallback, counting its first real step under
-    FlopCounterMode, would run that step eagerly (87 GiB for the regression preset on an H200
-    against 36 GiB compiled) and delay the compile by a step. On CPU that costs nothing, while
-    the trace costs seconds: None, and the trainer counts (the same number)."""
-    if device.type != "cuda":
-        return None
+def _step_flops(run, degrees, env, device, task) -> float | None:
+    """One sample's training FLOPs for tflops and MFU: stated by the model, else on a GPU from a
+    step traced on fake tensors (framework/plan.py). The trainer's fallback, counting its first
+    real step under FlopCounterMode, would run that step eagerly (87 GiB for the regression
+    preset on an H200 against 37 GiB compiled) and delay the compile by a step. On CPU that
+    costs nothing, while the trace costs seconds: None, and the trainer counts (the same number)."""
+    stated = task.flops_per_sample()
+    if stated or device.type != "cuda":
+        return stated
     from framework.plan import step_flops
 
-    flops, source = step_flops(run, degrees)
+    try:
+        flops, source = step_flops(run, degrees)
+    except Exception as e:  # noqa: BLE001  (an op fake tensors cannot run: the trainer counts instead)
+        flops, source = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
     if env.is_main:
         if flops is None:
             log.info("FLOPs not traced (%s): counted on the first step, which runs eager", source)
@@ -200,7 +204,7 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
         run_dir=run_dir,
         dp_rank=topology.dp_rank,
         dp_size=topology.dp_size,
-        flops_per_sample=_step_flops(run, degrees, env, device),
+        flops_per_sample=_step_flops(run, degrees, env, device, task),
     )
     trainer.init_from = init_from  # a resumed run takes the record of its checkpoint instead
     try:
