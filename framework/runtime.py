@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from framework import registry
+from framework.checkpoint.backend import read_meta
 from framework.checkpoint.manager import CheckpointManager
 from framework.distributed import collectives
 from framework.distributed import env as dist_env
@@ -125,8 +127,11 @@ def _step_flops(run, degrees, env, device, task) -> float | None:
 
 
 def _run(run, run_dir: Path, env, degrees, device) -> dict:
-    if not env.is_main:  # one voice in the shared log; warnings and errors still from all
+    if not env.is_main:  # one voice in the shared log; our warnings and errors still from all
         log.setLevel(logging.WARNING)
+        # Library warnings (FSDP2's "returned a view tensor", deprecations) come from code every
+        # rank runs alike: rank 0 prints them once for the job.
+        warnings.simplefilter("ignore")
     topology = mesh_mod.build(degrees, device.type)
     seed_everything(run.seed, run.deterministic)
     precision = precision_mod.build(run.precision, device)
@@ -179,8 +184,12 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
 
     sinks: list[Sink] = []
     if env.is_main:
+        resumed_at = None if resume is None else int(read_meta(resume)["step"])
+        jsonl = JsonlSink(run_dir / "metrics.jsonl", resumed_at=resumed_at)
+        if jsonl.dropped:
+            log.info("metrics.jsonl: dropped %d rows past step %d, where this run resumes", jsonl.dropped, resumed_at)
         sinks = [
-            JsonlSink(run_dir / "metrics.jsonl"),
+            jsonl,
             ConsoleSink(run.trainer.max_steps, 0, enabled=run.trainer.progress),
         ]
         extra = registry.loggers.build(run.logger.name, run.logger, run=run, run_dir=run_dir)
@@ -231,8 +240,6 @@ def _init_from(run, task, model, resume: Path | None) -> dict | None:
     if not value:
         return None
     if resume is not None:
-        from framework.checkpoint.backend import read_meta
-
         started = (read_meta(resume).get("init_from") or {}).get("path")
         log.info(
             "checkpoint.init_from=%s not applied: resuming from %s, whose weights win%s",

@@ -36,7 +36,7 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from framework.checkpoint import locator
@@ -81,6 +81,7 @@ class _Job:
     final: Path
     meta: dict
     world: dict
+    started: float = field(default_factory=time.monotonic)
 
 
 class CheckpointManager:
@@ -339,6 +340,13 @@ class CheckpointManager:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         self._parent = {"name": job.final.name, "committed_ns": ns}
+        log.info(
+            "checkpoint %s saved (%s, %.1f s): %s",
+            job.final.name,
+            self.backend.format,
+            time.monotonic() - job.started,
+            job.final,
+        )
         self.prune()
 
     # retention -------------------------------------------------------------------------

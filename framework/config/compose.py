@@ -9,11 +9,13 @@ just before the structured configs), then ``hydra.searchpath``. The compose API 
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from framework.compat import CONF_DIR  # noqa: F401  (the checkout's conf/, else the installed one)
 from framework.errors import ConfigError
@@ -60,9 +62,30 @@ def compose(overrides: list[str], source: Source | None = None, *, with_hydra: b
                 config_name=source.config_name, overrides=list(overrides), return_hydra_config=with_hydra
             )
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(hydra_message(e)) from None
+        error: Exception = e
     finally:
         _ConfigDir.path = None
+    raise ConfigError(hydra_message(error) + _near_key(error, list(overrides), source, with_hydra))
+
+
+def _near_key(e: Exception, overrides: list[str], source: Source, with_hydra: bool) -> str:
+    """For an unknown key (``trainer.max_step=5``): "; did you mean 'trainer.max_steps'?", from the
+    keys beside it in the config composed without that override ("" when nothing is close)."""
+    found = re.match(r"Could not override '([^']+)'", str(e))
+    if found is None:
+        return ""
+    key = found.group(1).lstrip("+~")
+    parent, _, leaf = key.rpartition(".")
+    rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+    try:
+        cfg = compose(rest, source, with_hydra=with_hydra or key.startswith("hydra."))
+    except ConfigError:  # another error in the overrides: the first one's line stands
+        return ""
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig):
+        return ""
+    near = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1)
+    return f"; did you mean '{parent + '.' if parent else ''}{near[0]}'?" if near else ""
 
 
 class _ConfigDir:
@@ -100,7 +123,9 @@ def hydra_message(e: Exception) -> str:
     if "Available options" in str(e):  # list the choices, not Hydra's search path
         i = next(i for i, ln in enumerate(lines) if ln.startswith("Available options"))
         opts = [ln.strip() for ln in lines[i + 1 :] if ln.startswith("\t") and "provider=" not in ln]
-        text += "; available: " + ", ".join(opts)
+        wanted = re.search(r"Could not find '(?:[^']*/)?([^'/]+)'", text)
+        near = difflib.get_close_matches(wanted.group(1), opts, n=1) if wanted else []
+        text += (f"; did you mean {near[0]}?" if near else "") + "; available: " + ", ".join(opts)
     elif len(lines) > 1 and lines[0].startswith(("Ambiguous", "no viable", "mismatched", "extraneous")):
         text = f"bad override syntax: {text}"
     return text

@@ -45,16 +45,26 @@ def resolve(cfg: ParallelConfig, world_size: int) -> Degrees:
         if world_size % fixed:
             raise ConfigError(
                 f"parallel: dp_replicate x dp_shard x domain = {_fmt(sizes)} cannot fill "
-                f"{world_size} ranks ({world_size} is not divisible by {fixed})"
+                f"{world_size} ranks ({world_size} is not divisible by {fixed}){_launch_hint(world_size, fixed)}"
             )
         sizes[free[0]] = world_size // fixed
     deg = Degrees(**sizes)
     if deg.world != world_size:
         raise ConfigError(
             f"parallel: dp_replicate x dp_shard x domain = {_fmt(sizes)} = {deg.world} "
-            f"does not match the world size {world_size}"
+            f"does not match the world size {world_size}{_launch_hint(world_size, deg.world)}"
         )
     return deg
+
+
+def _launch_hint(world_size: int, needed: int) -> str:
+    """A single process asked for several ranks: the command that starts them."""
+    if world_size != 1 or needed <= 1:
+        return ""
+    return (
+        f"; start {needed} processes: torchrun --nproc-per-node={needed} -m framework ... "
+        f"(or srun -n {needed} python -m framework ... on SLURM)"
+    )
 
 
 def _fmt(sizes: dict) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 
@@ -14,9 +15,16 @@ def _clean(v):
 
 
 class JsonlSink:
-    def __init__(self, path: Path):
+    """Appends to ``path``. ``resumed_at``: the step a resumed run starts after; rows of later
+    steps (logged by the run that went on past that checkpoint and was cut short) are dropped
+    first, so every step appears once. ``dropped`` says how many."""
+
+    def __init__(self, path: Path, resumed_at: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.dropped = 0
+        if resumed_at is not None and self.path.is_file():
+            self.dropped = _truncate(self.path, resumed_at)
         self._f = open(self.path, "a", buffering=1)
 
     def log(self, row: dict) -> None:
@@ -24,6 +32,26 @@ class JsonlSink:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _truncate(path: Path, step: int) -> int:
+    """Keep the rows of steps <= ``step`` (and rows without one, and any line that does not parse:
+    never lose what cannot be read); atomic. Returns how many rows were dropped."""
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line torn by a kill: kept as it is
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 def read(path: Path, split: str | None = None) -> list[dict]:

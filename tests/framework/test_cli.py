@@ -49,6 +49,9 @@ def test_short_run_writes_the_run_directory(tmp_path):
     val = rows[-1]
     assert {"rmse/t2m", "rmse_persistence/t2m", "rmse", "rmse_persistence"} <= set(val)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
+    log = (run / "framework.log").read_text()
+    for step in (3, 6):  # every save is logged, with where it went
+        assert f"checkpoint step_{step:08d} saved (torch_save, " in log and str(run / "checkpoints") in log
 
 
 def test_resumed_run_logs_the_losses_of_an_unbroken_one(tmp_path):
@@ -58,17 +61,25 @@ def test_resumed_run_logs_the_losses_of_an_unbroken_one(tmp_path):
     assert run_cli(over, cwd=tmp_path).returncode == 0
     unbroken = read(a / "metrics.jsonl", "train")
 
-    # Simulate a crash after the step-3 checkpoint: drop what came after, then rerun in place.
+    # Simulate a crash after the step-3 checkpoint that had logged steps 4-6 (and tore a line),
+    # then rerun in place: the rows past step 3 are dropped, not logged twice.
     b = tmp_path / "b"
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "step_00000006")
-    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read(a / "metrics.jsonl") if r["step"] <= 3))
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "split": "tr')
     over = tiny_overrides(b, data, deterministic="true", **{"hydra.run.dir": str(b)})
     proc = run_cli(over, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in (b / "framework.log").read_text()
-    resumed = read(b / "metrics.jsonl", "train")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    log = (b / "framework.log").read_text()
+    assert "resumed from" in log and "metrics.jsonl: dropped 4 rows past step 3, where this run resumes" in log
+    lines = (b / "metrics.jsonl").read_text().splitlines()
+    assert lines.count('{"step": 7, "split": "tr') == 1  # what cannot be parsed is kept, never lost
+    resumed = [json.loads(ln) for ln in lines if ln.endswith("}")]
+    assert [(r["step"], r["split"]) for r in resumed] == [(s, "train") for s in (1, 2, 3)] + [(3, "val")] + [
+        (s, "train") for s in (4, 5, 6)
+    ] + [(6, "val")]
+    resumed = [r for r in resumed if r["split"] == "train"]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in unbroken], rtol=1e-6)
     assert [r["lr"] for r in resumed] == [r["lr"] for r in unbroken]
 

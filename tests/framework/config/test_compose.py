@@ -150,3 +150,25 @@ def test_job_name_is_framework(compose):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = hc("config", return_hydra_config=True)
     assert cfg.hydra.job.name == "framework"
+
+
+@pytest.mark.parametrize(
+    "override,hint",
+    [
+        ("trainer.max_step=5", "; did you mean 'trainer.max_steps'?"),
+        ("optim.lrr=1", "; did you mean 'optim.lr'?"),
+        ("seeed=1", "; did you mean 'seed'?"),
+        ("trainer.zzz=5", None),  # nothing close: no guess
+    ],
+)
+def test_an_unknown_key_gets_the_near_name(compose, override, hint):
+    with pytest.raises(ConfigError) as err:
+        compose([override, "data.grid=[16,16]"])
+    line = str(err.value)
+    assert "\n" not in line and f"Could not override '{override.split('=')[0]}'" in line
+    assert line.endswith(hint) if hint else "did you mean" not in line
+
+
+def test_an_unknown_option_of_a_group_gets_the_near_name(compose):
+    with pytest.raises(ConfigError, match=r"did you mean songunet_tiny\?; available: dit, "):
+        compose(["model=songunet_tin"])
