@@ -33,13 +33,27 @@ class ConsoleSink:
             f"{k}={_fmt(v)}" for k, v in row.items() if "/" not in k
         )  # per-channel detail stays in metrics.jsonl
         if self.bar is not None:
-            self.bar.write(text)
+            self.bar.write(text)  # above the bar on the terminal ...
+            _to_log_files(text)  # ... and in framework.log all the same
         else:
             log.info(text)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _to_log_files(text: str) -> None:
+    """``log.info(text)`` to the file handlers only (framework.log): the terminal has the line."""
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, text, None, None)
+    seen = set()
+    logger: logging.Logger | None = log
+    while logger is not None:
+        for h in logger.handlers:
+            if isinstance(h, logging.FileHandler) and id(h) not in seen and record.levelno >= h.level:
+                seen.add(id(h))
+                h.handle(record)
+        logger = logger.parent if logger.propagate else None
 
 
 def _fmt(v):
