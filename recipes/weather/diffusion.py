@@ -117,6 +117,21 @@ class DiffusionTask(RegressionTask):
         self._flops = known() if known is not None else None
         return self.wrap_net(net, {"edm": {"sigma_data": list(self.cfg.edm.sigma_data)}})
 
+    def summary_lines(self, val_row: dict) -> list[str]:
+        """A diffusion stage is judged as an ensemble (CRPS, spread/skill), its mean against the
+        regression stage it corrects and persistence: no "beats persistence" verdict."""
+        if "crps" not in val_row:
+            return []
+        against = [f"persistence {val_row['rmse_persistence']:.4g}"]
+        if "rmse_regression" in val_row:
+            against.insert(0, f"the regression stage {val_row['rmse_regression']:.4g}")
+        return [
+            f"validation ensemble: CRPS {val_row['crps']:.4g}, spread/skill {val_row['spread_skill']:.3g} "
+            "(1: calibrated; below 1: overconfident)",
+            f"ensemble-mean RMSE {val_row['rmse']:.4g} vs {' and '.join(against)}; one member "
+            f"{val_row['rmse_member']:.4g} (normalized units)",
+        ]
+
     def flops_per_sample(self) -> float | None:
         """Model FLOPs of one training sample when the net states them (the DiT), else None."""
         return self._flops

@@ -100,6 +100,14 @@ def test_diffusion_loss_falls(stage1):
         assert np.isfinite(val[key]), key
     assert 0 < val["crps"] < val["rmse_member"]  # CRPS is below the error of any one member
     assert sorted(p.name for p in (run / "plots").iterdir()) == ["spectrum_00000100_u10m.png", "val_00000100_u10m.png"]
+    # the closing lines judge an ensemble against the regression stage and persistence, with no verdict
+    log = (run / "framework.log").read_text()
+    assert f"validation ensemble: CRPS {val['crps']:.4g}, spread/skill {val['spread_skill']:.3g}" in log
+    assert (
+        f"ensemble-mean RMSE {val['rmse']:.4g} vs the regression stage {val['rmse_regression']:.4g} "
+        f"and persistence {val['rmse_persistence']:.4g}" in log
+    )
+    assert "beat persistence" not in log
 
 
 @pytest.mark.parametrize(
