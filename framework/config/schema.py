@@ -19,6 +19,14 @@ class Invalid(ValueError):
         self.key, self.msg = key, msg
 
 
+def path_field(default: Any = None, *, tokens: tuple[str, ...] = ()) -> Any:
+    """A field holding a file system path: validation makes a relative one absolute (against the
+    working directory the run starts in), so what the run saves (checkpoints, exports, the
+    config a later stage or inference reads) still names it from anywhere. ``tokens``: values
+    that are words, not paths (``checkpoint.resume=latest``)."""
+    return field(default=default, metadata={"path": True, "tokens": tokens})
+
+
 def positive(obj, *keys):
     for k in keys:
         v = getattr(obj, k)
@@ -109,14 +117,14 @@ class CheckpointConfig:
     name: str = "torch_save"
     every: int = 100  # steps between checkpoints; 0: only at the end
     keep: int = 3  # newest complete checkpoints kept
-    resume: str = "latest"  # latest | none | <path to a checkpoint>
+    resume: str = path_field("latest", tokens=("latest", "none"))  # latest | none | <path to a checkpoint>
     exclude: list[str] = field(default_factory=list)  # parts not loaded, e.g. [optimizer]
     save_final: bool = True
     io_threads: int = 1  # dcp / dcp_async: writer threads per rank
     # A fresh run starts from these weights (fine-tuning): a run, checkpoints or step directory,
     # an exported weights file, or what the task reads besides (Task.init_weights). Not applied
     # when the run resumes: the checkpoint wins.
-    init_from: str | None = None
+    init_from: str | None = path_field()
 
     def __post_init__(self):
         non_negative(self, "every")

@@ -130,9 +130,16 @@ def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
             schemas[group] = FIXED[group]
     # ...then every value against its schema.
     nodes: dict[str, Any] = {g: _typed(g, schemas[g], resolved[g]) for g in GROUPS}
-    # What is saved (checkpoints, exports, wandb) is the config as run: defaults included.
+    # What is saved (checkpoints, exports, wandb) is the config as run: defaults included, and
+    # paths absolute (a later stage, inference or a resume from elsewhere reads them).
     for g in GROUPS:
         resolved[g] = OmegaConf.merge(OmegaConf.structured(schemas[g]), resolved[g])
+        for f in dataclasses.fields(nodes[g]):
+            value = getattr(nodes[g], f.name)
+            if f.metadata.get("path") and isinstance(value, str) and value and value not in f.metadata["tokens"]:
+                if not os.path.isabs(value):
+                    setattr(nodes[g], f.name, os.path.abspath(value))
+                    resolved[g][f.name] = os.path.abspath(value)
 
     run = RunConfig(
         recipe=top.recipe,

@@ -45,7 +45,7 @@ class ConsoleSink:
 
 def _to_log_files(text: str) -> None:
     """``log.info(text)`` to the file handlers only (framework.log): the terminal has the line."""
-    record = log.makeRecord(log.name, logging.INFO, __file__, 0, text, None, None)
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, text, (), None)
     seen = set()
     logger: logging.Logger | None = log
     while logger is not None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from framework.config.schema import Invalid, non_negative, one_of, positive
+from framework.config.schema import Invalid, non_negative, one_of, path_field, positive
 from recipes.weather.config import DiffusionTaskConfig, SyntheticStores, ZarrDataConfig
 
 
@@ -26,7 +26,7 @@ class StormScopeSyntheticDataConfig(SyntheticStores, StormScopeDataConfig):
     """Synthetic satellite/radar-like stores in StormScope's layout, written on first use."""
 
     name: str = "stormscope_synthetic"
-    root: str = "data/stormscope_synthetic"
+    root: str = path_field("data/stormscope_synthetic")
     state_channels: list[str] = field(default_factory=lambda: ["abi08", "abi13", "refc"])
     background_channels: list[str] = field(default_factory=lambda: ["u850", "v850", "t850"])
 

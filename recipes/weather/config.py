@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from framework.config.schema import Invalid, non_negative, one_of, positive
+from framework.config.schema import Invalid, non_negative, one_of, path_field, positive
 from recipes.weather.layout import naming_of
 
 
@@ -21,7 +21,7 @@ class ZarrDataConfig:
     ``era5_channels``, StormScope's ``state_channels`` / ``background_channels``)."""
 
     name: str = MISSING
-    root: str = MISSING
+    root: str = path_field(MISSING)
     grid: list[int] = field(default_factory=lambda: [512, 640])
     train_years: list[int] = MISSING
     val_years: list[int] = MISSING
@@ -115,7 +115,7 @@ class SyntheticStores:
 @dataclass
 class SyntheticDataConfig(SyntheticStores, HrrrEra5DataConfig):
     name: str = "synthetic"
-    root: str = "data/synthetic"
+    root: str = path_field("data/synthetic")
     hrrr_channels: list[str] = field(default_factory=lambda: ["u10m", "v10m", "t2m", "msl"])
     era5_channels: list[str] = field(default_factory=lambda: ["u850", "v850", "t850"])
 
@@ -187,7 +187,7 @@ class DiffusionTaskConfig:
     # downscaling: [background, invariants].
     conditions: list[str] = field(default_factory=lambda: ["state", "regression", "invariants"])
     residual: bool = True  # learn state(t+dt) minus the regression output
-    regression: str | None = None  # exported weights, checkpoint or run dir of the regression stage
+    regression: str | None = path_field()  # exported weights, checkpoint or run dir of the regression stage
     edm: EDMConfig = field(default_factory=EDMConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     val_members: int = 4  # ensemble size at validation (CRPS, spread/skill)

@@ -77,3 +77,21 @@ def test_target_check_runs_before_import(compose, monkeypatch):
 def test_composition_errors_are_config_errors(compose, overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         compose(overrides)
+
+
+def test_relative_paths_are_saved_absolute_and_words_stay_words(compose, tmp_path, monkeypatch):
+    """What a run saves (checkpoints, exports) names its data, weights and checkpoints from anywhere."""
+    monkeypatch.chdir(tmp_path)
+    run = validate(compose(["data.root=stores/a", "checkpoint.init_from=weights/r.pt"]))
+    assert run.data.root == str(tmp_path / "stores" / "a") == run.raw.data.root
+    assert run.checkpoint.init_from == str(tmp_path / "weights" / "r.pt") == run.raw.checkpoint.init_from
+    assert run.checkpoint.resume == "latest" == run.raw.checkpoint.resume  # a word, not a path
+    (tmp_path / "ck").mkdir()
+    assert validate(compose(["checkpoint.resume=ck"])).checkpoint.resume == str(tmp_path / "ck")
+    assert validate(compose(["data.root=/abs/x"])).data.root == "/abs/x"
+    # task.regression (the diffusion stage's, read back by inference) is such a path too
+    from dataclasses import fields
+
+    from recipes.weather.config import DiffusionTaskConfig
+
+    assert next(f for f in fields(DiffusionTaskConfig) if f.name == "regression").metadata["path"]
