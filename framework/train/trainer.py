@@ -193,6 +193,7 @@ class Trainer:
                 self.checkpoint.load(path, self)
                 resumed = str(path)
                 log.info("resumed from %s at step %d", path, self.step)
+                self._follow_schedule(path)
         self._start = self.step
         if self.step > self.cfg.max_steps:
             raise ConfigError(
@@ -285,6 +286,38 @@ class Trainer:
         )
         for change in changes:
             log.info("resume: %s", change.line())
+
+    def _follow_schedule(self, path: Path) -> None:
+        """The rule for a schedule changed on resume (``trainer.max_steps`` or ``schedule.*``): the
+        config's schedule applies from the restored step on, as if the run had been configured so
+        from the start (a longer run re-stretches the cosine), and the jump is said once."""
+        from framework.checkpoint.backend import read_meta
+
+        if "schedule" in self.run.checkpoint.exclude or not hasattr(self.scheduler, "lr_lambdas"):
+            return
+        saved = read_meta(path).get("config") or {}
+        now = _plain(self.run.raw)
+        old_steps = (saved.get("trainer") or {}).get("max_steps")
+        what = []
+        if old_steps is not None and old_steps != self.cfg.max_steps:
+            what.append(f"trainer.max_steps {old_steps} -> {self.cfg.max_steps}")
+        if saved.get("schedule") is not None and saved.get("schedule") != now.get("schedule"):
+            what.append("schedule.*")
+        if not what:
+            return
+        groups = self.optimizer.param_groups
+        old = [g["lr"] for g in groups]
+        for g, base, factor in zip(groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            g["lr"] = base * factor(self.step)
+        self.scheduler._last_lr = [g["lr"] for g in groups]
+        log.info(
+            "resume: the schedule follows the config (%s): learning rate at step %d %.4g -> %.4g, "
+            "then as the new schedule gives it",
+            ", ".join(what),
+            self.step,
+            old[0],
+            groups[0]["lr"],
+        )
 
     def _check_finite(self) -> None:
         """Stop (exit 4) if any step since the last check had a NaN/inf loss or gradient norm.

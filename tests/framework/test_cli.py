@@ -84,6 +84,29 @@ def test_resumed_run_logs_the_losses_of_an_unbroken_one(tmp_path):
     assert [r["lr"] for r in resumed] == [r["lr"] for r in unbroken]
 
 
+def test_a_longer_run_on_resume_follows_the_schedule_of_the_new_length(tmp_path):
+    """The documented rule: the config's schedule applies from the restored step on, as if the
+    run had been configured with the new trainer.max_steps from the start; the jump is logged."""
+    data = tmp_path / "data"
+
+    def run(name, steps):
+        over = tiny_overrides(
+            tmp_path / name, data, **{"hydra.run.dir": str(tmp_path / name), "trainer.max_steps": steps}
+        )
+        proc = run_cli(over, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return {r["step"]: r["lr"] for r in read(tmp_path / name / "metrics.jsonl", "train")}
+
+    fresh = run("fresh", 8)
+    run("grown", 4)
+    grown = run("grown", 8)  # resumed at step 4 with twice the length
+    assert [grown[s] for s in range(5, 9)] == pytest.approx([fresh[s] for s in range(5, 9)], rel=1e-9)
+    assert (
+        "resume: the schedule follows the config (trainer.max_steps 4 -> 8): learning rate at step 4"
+        in (tmp_path / "grown" / "framework.log").read_text()
+    )
+
+
 @pytest.mark.parametrize("precision", ["bf16", "tf32", "fp16"])
 def test_precisions_train(tmp_path, precision):
     over = tiny_overrides(
