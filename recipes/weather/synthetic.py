@@ -72,7 +72,7 @@ from recipes.weather import layout
 DEFAULT_HRRR_CHANNELS = ("u10m", "v10m", "t2m", "msl")
 DEFAULT_ERA5_CHANNELS = ("u850", "v850", "t850")
 DEFAULT_INVARIANTS = ("lsm", "orog")
-DEFAULT_HOURS_PER_YEAR = 240
+DEFAULT_HOURS_PER_YEAR = 360  # data=synthetic's: a store the CLI writes is the one that config asks for
 DEFAULT_HRRR_SPACING = 0.25  # degrees between HRRR grid points (latlon / physicsnemo stores)
 DEFAULT_ERA5_SPACING = 1.0  # degrees of the coarser regular ERA5 grid
 

@@ -181,6 +181,23 @@ def test_cli(tmp_path, capsys):
     assert "already complete" in capsys.readouterr().out
 
 
+def test_the_cli_defaults_write_the_store_data_synthetic_asks_for(tmp_path, compose):
+    """The documented command, then the default config on that root: the task finds the store
+    complete (not "written with other parameters") and trains on it."""
+    from framework import registry
+    from framework.config.validate import validate
+    from framework.distributed.env import DistEnv
+
+    root = tmp_path / "demo"
+    assert synthetic.main(["--root", str(root), "--height", "16", "--width", "16", "--years", "2020", "2021"]) == 0
+    written = (root / "synthetic.json").stat().st_mtime_ns
+    registry.load_providers()
+    run = validate(compose(["data=synthetic", f"data.root={root}", "data.grid=[16,16]"]))
+    task = registry.tasks.entry(run.task.name).builder(run, DistEnv(), torch.device("cpu"))
+    assert len(task.train_dataset()) > 0 and len(task.val_dataset()) > 0
+    assert (root / "synthetic.json").stat().st_mtime_ns == written  # used as it was, not rewritten
+
+
 # ---------------------------------------------------------------- dataset values
 
 
