@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from framework import registry
-from framework.checkpoint.backend import read_meta
 from framework.checkpoint.manager import CheckpointManager
 from framework.distributed import collectives
 from framework.distributed import env as dist_env
@@ -117,7 +116,8 @@ def _step_flops(run, degrees, env, device, task) -> float | None:
     try:
         flops, source = step_flops(run, degrees)
     except Exception as e:  # noqa: BLE001  (an op fake tensors cannot run: the trainer counts instead)
-        flops, source = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        text = str(e).strip()
+        flops, source = None, f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
     if env.is_main:
         if flops is None:
             log.info("FLOPs not traced (%s): counted on the first step, which runs eager", source)
@@ -184,12 +184,8 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
 
     sinks: list[Sink] = []
     if env.is_main:
-        resumed_at = None if resume is None else int(read_meta(resume)["step"])
-        jsonl = JsonlSink(run_dir / "metrics.jsonl", resumed_at=resumed_at)
-        if jsonl.dropped:
-            log.info("metrics.jsonl: dropped %d rows past step %d, where this run resumes", jsonl.dropped, resumed_at)
         sinks = [
-            jsonl,
+            JsonlSink(run_dir / "metrics.jsonl"),
             ConsoleSink(run.trainer.max_steps, 0, enabled=run.trainer.progress),
         ]
         extra = registry.loggers.build(run.logger.name, run.logger, run=run, run_dir=run_dir)
@@ -240,6 +236,8 @@ def _init_from(run, task, model, resume: Path | None) -> dict | None:
     if not value:
         return None
     if resume is not None:
+        from framework.checkpoint.backend import read_meta
+
         started = (read_meta(resume).get("init_from") or {}).get("path")
         log.info(
             "checkpoint.init_from=%s not applied: resuming from %s, whose weights win%s",

@@ -137,9 +137,8 @@ def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
         for f in dataclasses.fields(nodes[g]):
             value = getattr(nodes[g], f.name)
             if f.metadata.get("path") and isinstance(value, str) and value and value not in f.metadata["tokens"]:
-                if not os.path.isabs(value):
-                    setattr(nodes[g], f.name, os.path.abspath(value))
-                    resolved[g][f.name] = os.path.abspath(value)
+                setattr(nodes[g], f.name, os.path.abspath(value))
+                resolved[g][f.name] = getattr(nodes[g], f.name)
 
     run = RunConfig(
         recipe=top.recipe,

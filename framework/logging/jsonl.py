@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
+
+log = logging.getLogger("framework")
 
 
 def _clean(v):
@@ -15,17 +18,21 @@ def _clean(v):
 
 
 class JsonlSink:
-    """Appends to ``path``. ``resumed_at``: the step a resumed run starts after; rows of later
-    steps (logged by the run that went on past that checkpoint and was cut short) are dropped
-    first, so every step appears once. ``dropped`` says how many."""
-
-    def __init__(self, path: Path, resumed_at: int | None = None):
+    def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.dropped = 0
-        if resumed_at is not None and self.path.is_file():
-            self.dropped = _truncate(self.path, resumed_at)
         self._f = open(self.path, "a", buffering=1)
+
+    def start(self, trainer) -> None:
+        """A run resumed at step k > 0: drop the rows of later steps (logged by the run that went
+        on past that checkpoint and was cut short) before appending, so every step appears once."""
+        if trainer.step <= 0:
+            return
+        self._f.close()
+        dropped = _truncate(self.path, trainer.step)
+        self._f = open(self.path, "a", buffering=1)
+        if dropped:
+            log.info("metrics.jsonl: dropped %d rows past step %d, where this run resumes", dropped, trainer.step)
 
     def log(self, row: dict) -> None:
         self._f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")

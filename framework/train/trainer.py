@@ -189,11 +189,11 @@ class Trainer:
         if self.checkpoint is not None:
             path = self.checkpoint.resume_path()
             if path is not None:
-                self._check_resume(path)
+                changes = self._check_resume(path)
                 self.checkpoint.load(path, self)
                 resumed = str(path)
                 log.info("resumed from %s at step %d", path, self.step)
-                self._follow_schedule(path)
+                self._follow_schedule(changes)
         self._start = self.step
         if self.step > self.cfg.max_steps:
             raise ConfigError(
@@ -274,9 +274,9 @@ class Trainer:
             self.checkpoint.finish()  # a run that ends waits for its last save
         return Summary(self.step, last_loss, val_row, str(self.run_dir), resumed)
 
-    def _check_resume(self, path: Path) -> None:
-        """Say which settings differ from the checkpoint's run; refuse those that may not change
-        (framework.config.resume: the model, the task, the data a model was trained on)."""
+    def _check_resume(self, path: Path) -> list:
+        """Say which settings differ from the checkpoint's run (returned); refuse those that may not
+        change (framework.config.resume: the model, the task, the data a model was trained on)."""
         from framework.checkpoint.backend import read_meta
         from framework.config.resume import check_resume, schema_rules
 
@@ -286,23 +286,20 @@ class Trainer:
         )
         for change in changes:
             log.info("resume: %s", change.line())
+        return changes
 
-    def _follow_schedule(self, path: Path) -> None:
-        """The rule for a schedule changed on resume (``trainer.max_steps`` or ``schedule.*``): the
-        config's schedule applies from the restored step on, as if the run had been configured so
-        from the start (a longer run re-stretches the cosine), and the jump is said once."""
-        from framework.checkpoint.backend import read_meta
-
+    def _follow_schedule(self, changes: list) -> None:
+        """The rule for a schedule changed on resume (``trainer.max_steps`` or ``schedule.*``, among
+        ``_check_resume``'s changes): the config's schedule applies from the restored step on, as
+        if the run had been configured so from the start (a longer run re-stretches the cosine),
+        and the jump is said once."""
         if "schedule" in self.run.checkpoint.exclude or not hasattr(self.scheduler, "lr_lambdas"):
             return
-        saved = read_meta(path).get("config") or {}
-        now = _plain(self.run.raw)
-        old_steps = (saved.get("trainer") or {}).get("max_steps")
-        what = []
-        if old_steps is not None and old_steps != self.cfg.max_steps:
-            what.append(f"trainer.max_steps {old_steps} -> {self.cfg.max_steps}")
-        if saved.get("schedule") is not None and saved.get("schedule") != now.get("schedule"):
-            what.append("schedule.*")
+        what = [
+            f"{c.key} {c.old} -> {c.new}"
+            for c in changes
+            if c.key == "trainer.max_steps" or c.key.startswith("schedule.")
+        ]
         if not what:
             return
         groups = self.optimizer.param_groups
