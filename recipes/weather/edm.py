@@ -127,6 +127,7 @@ def heun_sample(
     s_max: float = math.inf,
     s_noise: float = 1.0,
     noise: Callable[[int], torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """EDM's second-order (Heun) sampler, deterministic (s_churn=0) or stochastic.
 
@@ -134,21 +135,22 @@ def heun_sample(
     normal draws (scaled here by sigma_max). ``noise(i)`` gives the unit-normal draws of
     step i's churn (shaped as latents); default: torch.randn_like. All sigmas are plain
     numbers, so every domain rank walks the same schedule on its own rows.
-    Returns float64 samples (cast by the caller).
+    ``dtype``: the sampler's state (float64 by default; float32 halves its memory and traffic).
+    Returns samples in ``dtype`` (cast by the caller).
     """
     sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho).tolist()
     noise = noise or (lambda i: torch.randn_like(latents))
     gamma_max = min(s_churn / num_steps, math.sqrt(2) - 1)
-    x = latents.to(torch.float64) * sigmas[0]
+    x = latents.to(dtype) * sigmas[0]
     for i, (t_cur, t_next) in enumerate(zip(sigmas[:-1], sigmas[1:])):
         gamma = gamma_max if s_min <= t_cur <= s_max else 0.0
         t_hat = t_cur + gamma * t_cur
         if gamma > 0:  # churn: raise the noise level, then step down from there
-            x = x + math.sqrt(t_hat**2 - t_cur**2) * s_noise * noise(i).to(torch.float64)
-        d = (x - denoise(x, t_hat).to(torch.float64)) / t_hat
+            x = x + math.sqrt(t_hat**2 - t_cur**2) * s_noise * noise(i).to(dtype)
+        d = (x - denoise(x, t_hat).to(dtype)) / t_hat
         x_next = x + (t_next - t_hat) * d
         if t_next > 0:  # the 2nd-order correction (skipped on the last step to sigma=0)
-            d_next = (x_next - denoise(x_next, t_next).to(torch.float64)) / t_next
+            d_next = (x_next - denoise(x_next, t_next).to(dtype)) / t_next
             x_next = x + (t_next - t_hat) * (0.5 * d + 0.5 * d_next)
         x = x_next
     return x
