@@ -78,6 +78,7 @@ def score(group, env, *, fair: bool = True, spectra: list[str] | None = None) ->
     rmse = mse.sqrt()
     out = {
         "channels": names,
+        "units": [str(u) for u in group["channel_units"][...]],
         "lead_hours": [int(v) for v in group["lead"][...]],
         "members": int(members),
         "start_times": int(n_init),

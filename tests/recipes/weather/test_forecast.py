@@ -244,6 +244,20 @@ def test_jobs_share_one_store_and_resume_what_is_not_marked(stages, reference):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_under_torchrun(stages, reference, tmp_path):
+    """The real launcher: torchrun's two ranks split the members and write the one-process store."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "torchrun.zarr"
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "recipes.weather.forecast", "parallel=ddp", *base(stages, out, **{"infer.frames": "false"})]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    ok(subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300))
+    assert np.array_equal(arrays(out)["forecast"], arrays(reference)["forecast"])
+
+
 def test_sampler_dtype_float32(stages, reference):
     tmp = stages[0]
     out = tmp / "f32.zarr"
@@ -264,6 +278,7 @@ def test_sampler_dtype_float32(stages, reference):
         (["infer.diffusion=/nonexistent.pt"], "infer.diffusion: /nonexistent.pt does not exist"),
         (["+infer.x._target_=os.system"], "os.system"),
         (["precision=fp16"], "precision: 'fp16' is not used for inference"),
+        (["+hydra.job.env_set.LD_PRELOAD=/x.so"], "hydra.job.env_set"),  # training's gate
         (["parallel=fsdp2_domain"], "parallel: dp_replicate x dp_shard x domain"),
     ],
 )
