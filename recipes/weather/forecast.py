@@ -295,16 +295,22 @@ class Forecast:
         cfg = self.cfg
         self.topology = mesh_mod.build(self.degrees, self.device.type)
         sampler = {"num_steps": cfg.steps} if cfg.steps else None
-        data = data_config(list(cfg.data_config)) if cfg.data_config else None
-        self.fc = fc = Forecaster(
-            cfg.regression,
-            cfg.diffusion,
-            self.device,
-            precision="bf16" if self.conf.precision == "bf16" else "fp32",
-            seed=self.conf.seed,
-            sampler=sampler,
-            data=data,
-        )
+        try:
+            data = data_config(list(cfg.data_config)) if cfg.data_config else None
+            self.fc = fc = Forecaster(
+                cfg.regression,
+                cfg.diffusion,
+                self.device,
+                precision="bf16" if self.conf.precision == "bf16" else "fp32",
+                seed=self.conf.seed,
+                sampler=sampler,
+                data=data,
+            )
+        except ConfigError as e:  # its messages name the old CLI's flags: name this app's keys
+            text = str(e)
+            for flag in ("diffusion", "regression", "data-config"):
+                text = text.replace(f"--{flag}", f"infer.{flag.replace('-', '_')}")
+            raise ConfigError(text) from None
         if fc.diff is None and cfg.members != 1:
             raise ConfigError(
                 f"infer.members={cfg.members}: a regression-only rollout is deterministic; give infer.diffusion"
@@ -410,8 +416,8 @@ class Forecast:
 
         h, w = self.grid
         out = {}
-        paths = getattr(self.ds, "_paths", {}) or {}
-        first = next(iter(paths.get("hrrr") or paths.get("state") or []), None)
+        paths = getattr(self.ds, "_paths", {}) or {}  # the dataset's year stores, by source
+        first = next(iter(paths.get(getattr(self.ds, "_state", None)) or []), None)
         if first is None:
             return out
         try:

@@ -30,10 +30,14 @@ def _sums(ens: torch.Tensor, truth: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-channel sums of one band: ``ens`` (N, C, h, W), ``truth`` (C, h, W), float64."""
     from recipes.weather import metrics
 
-    out = metrics.ensemble_sums(ens[:, None], truth[None])  # as validation sums them (B = 1)
+    n = ens.shape[0]
+    if n == 1:  # one member: no spread (the unbiased variance of one value is undefined)
+        out = metrics.ensemble_sums(ens.expand(2, *ens.shape[1:])[:, None], truth[None])  # twice: same sums
+        out["var"] = torch.zeros_like(out["var"])
+    else:
+        out = metrics.ensemble_sums(ens[:, None], truth[None])  # as validation sums them (B = 1)
     out["abs_err"] = (ens - truth).abs().mean(0).sum((1, 2))  # the CRPS's skill term, for the fair CRPS
     below = (ens < truth).sum(0)  # the truth's rank among the members, 0..N
-    n = ens.shape[0]
     out["rank_hist"] = torch.stack([(below == r).sum((1, 2)) for r in range(n + 1)], 1).double()
     return out
 
@@ -83,8 +87,6 @@ def score(group, env, *, fair: bool = True, spectra: list[str] | None = None) ->
         "members": int(members),
         "start_times": int(n_init),
         "rmse": rmse,
-        "spread": spread,
-        "spread_skill": spread / rmse.clamp_min(1e-30),
         "rmse_member": (acc["se_member"] / count).sqrt(),
         "crps": crps,
         "rank_histogram": acc["rank_hist"] / acc["rank_hist"].sum(-1, keepdim=True).clamp_min(1),
@@ -92,6 +94,8 @@ def score(group, env, *, fair: bool = True, spectra: list[str] | None = None) ->
         "spectrum_forecast": spec_fc / n_init,
         "spectrum_truth": spec_truth / n_init,
     }
+    if members > 1:
+        out["spread"], out["spread_skill"] = spread, spread / rmse.clamp_min(1e-30)
     if fair and members > 1:  # fair = skill - pairs / (2 N (N - 1)); ensemble = skill - pairs / (2 N^2)
         out["crps_fair"] = skill - (skill - crps) * members / (members - 1)
     return out
@@ -201,7 +205,8 @@ def _plots(summary: dict, report: Path) -> None:
             ax.plot(leads, summary["spread_skill"][:, c].numpy(), marker="o", label=name)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
 
-    _figure(report / "spread_skill.png", "spread / skill (1: calibrated)", "lead (h)", ratio)
+    if "spread_skill" in summary:
+        _figure(report / "spread_skill.png", "spread / skill (1: calibrated)", "lead (h)", ratio)
     for s, name in enumerate(summary["spectrum_channels"]):
         k = np.arange(1, summary["spectrum_forecast"].shape[-1] + 1)
 

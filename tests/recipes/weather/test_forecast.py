@@ -258,6 +258,29 @@ def test_under_torchrun(stages, reference, tmp_path):
     assert np.array_equal(arrays(out)["forecast"], arrays(reference)["forecast"])
 
 
+def test_regression_only_on_physicsnemo_data_has_lat_lon(stages, tmp_path):
+    """A deterministic forecast (one member) from data in PhysicsNeMo's layout: the store carries the
+    stores' 2-D latitude/longitude, and scores without spread."""
+    import zarr
+
+    from recipes.weather.layout import PN_LAT, PN_LON
+    from recipes.weather.synthetic import write_synthetic
+
+    data = write_synthetic(
+        tmp_path / "pn", height=GRID, width=GRID, years=(2021,), hours_per_year=48, layout="physicsnemo"
+    )
+    out = tmp_path / "pn.zarr"
+    extra = {"infer.diffusion": "null", "infer.regression": stages[2], "infer.data_root": data, "infer.members": 1}
+    extra["infer.starts"] = "[2021-01-01T10]"  # the store lacks 05:00 (its missing-samples file)
+    ok(forecast(base(stages, out, **extra, **{"infer.frames": "false"}), tmp_path))
+    g = zarr.open_group(str(out), mode="r")
+    src = zarr.open_group(str(next(data.glob("hrrr_v3/**/2021.zarr"))), mode="r")
+    assert np.array_equal(np.asarray(g["latitude"][...]), np.asarray(src[PN_LAT][...]))
+    assert np.array_equal(np.asarray(g["longitude"][...]), np.asarray(src[PN_LON][...]))
+    assert "latitude longitude" in g["forecast"].attrs["coordinates"]
+    assert g["forecast"].shape[0] == 1 and "spread" not in g["scores"] and np.isfinite(g["scores"]["crps"][...]).all()
+
+
 def test_sampler_dtype_float32(stages, reference):
     tmp = stages[0]
     out = tmp / "f32.zarr"
