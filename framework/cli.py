@@ -23,11 +23,14 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from framework.config import resolvers
 from framework.config.compose import CONF_DIR, Source, hydra_message  # noqa: F401  (CONF_DIR: tests, tools)
 from framework.errors import EXIT_INTERRUPTED, ConfigError, FrameworkError
+
+if TYPE_CHECKING:
+    from framework.runtime import JobResult
 
 MAX_SWEEP_VARIANTS = 64  # compositions a --multirun precheck makes at most
 
@@ -54,51 +57,102 @@ def compose(overrides: list[str], config_name: str = "config"):
 
 
 # -- before Hydra ----------------------------------------------------------------------------------
+_RERUN = None  # precheck's framework.rerun.Rerun, for main in the same process (the history, the log)
+_PASSED: list[str] | None = None  # the command line's overrides, as precheck read them
+
+
 def precheck(argv: list[str]) -> None:
-    """Check what Hydra is about to run; exit 2 with one line on any error (before Hydra acts)."""
+    """Check what Hydra is about to run; exit 2 with one line on any error (before Hydra acts).
+
+    A run dir that records a run (``framework.rerun``) is rerun with its recorded overrides and
+    the command line's on top: when ``argv`` is this process's command line, it is rewritten so
+    that ``@hydra.main``, which parses ``sys.argv`` next, runs exactly what was checked here."""
+    global _RERUN, _PASSED
     from framework.config import hydra_args
 
     args = hydra_args.parse(argv)  # a usage error: argparse's line, exit 2 (as Hydra's own parser)
     if args.version or args.shell_completion:
         return  # nothing of the config is acted on
+    rerun = None
     try:
         resolvers.restrict()
         if args.experimental_rerun is not None:
             raise ConfigError(
                 "--experimental-rerun loads a pickle, which can run code, and is not supported; run "
-                "again with the overrides in <run dir>/.hydra/overrides.yaml"
+                "again with hydra.run.dir=<run dir>: its overrides are reused"
             )
         from framework.config import security
 
         security.check_config_path(args.config_path)
         security.check_overrides(args.overrides)
         source = Source.from_args(args)
-        runs = not (args.help or args.hydra_help or args.info)  # these only print (their logging setup is checked)
-        cfgs = _compose_variants(source, list(args.overrides), args.multirun)
-        for i, (cfg, passed) in enumerate(cfgs):
-            multirun = args.multirun or str(cfg.hydra.mode).endswith("MULTIRUN")
-            trust, job = check_composed(cfg, source, passed, multirun=multirun)
-            if not runs:
-                continue
-            from framework.config.validate import validate
+        passed = list(args.overrides)
+        only_prints = args.help or args.hydra_help or args.info
+        if not (args.multirun or only_prints):
+            rerun = _plan_rerun(passed, _explicit_run_dir(passed))
+        out = _check_all(args, source, rerun.overrides if rerun else passed)
+        if rerun is None and out is not None and not only_prints:  # a run dir set by a config file
+            rerun = _plan_rerun(passed, out)
+            if rerun is not None:
+                _check_all(args, source, rerun.overrides)
+        if args.multirun and not only_prints:
+            from framework.distributed.launcher import guard_submitit
 
-            run = validate(job, trust)
-            if run.mode == "plan" and not multirun and not args.cfg:  # the whole job: no run dir, no Hydra
-                print_plan(run)
-                sys.exit(0)
-            if i == 0 and not args.cfg and _launch_rank() == 0:  # --cfg only prints
-                _precheck_dirs(cfg, run, multirun)
+            guard_submitit()  # submitit's failures: one line in this process
     except FrameworkError as e:
-        fail(e)
+        fail(ConfigError(rerun.blame(one_line(e))) if rerun is not None and isinstance(e, ConfigError) else e)
     except Exception as e:  # noqa: BLE001  (Hydra's or OmegaConf's own errors: one line too)
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
 
         if not isinstance(e, (HydraException, OmegaConfBaseException)):
             raise
-        fail(ConfigError(hydra_message(e)))
+        message = hydra_message(e)
+        fail(ConfigError(rerun.blame(message) if rerun is not None else message))
     finally:
         _clear_hydra_config()
+    _PASSED, _RERUN = list(args.overrides), rerun
+    if rerun is not None and rerun.overrides != list(args.overrides) and list(argv) == sys.argv[1:]:
+        rest = list(argv)
+        for o in args.overrides:
+            rest.remove(o)
+        # overrides first: an option with an optional value (--info) must not take one
+        sys.argv[1:] = [*rerun.overrides, *rest]
+
+
+def _explicit_run_dir(passed: list[str]) -> Path | None:
+    from framework.rerun import explicit_run_dir
+
+    return explicit_run_dir(passed)
+
+
+def _plan_rerun(passed: list[str], run_dir: Path | None):
+    from framework.rerun import plan
+    from framework.rundir import launch_id
+
+    return plan(passed, run_dir, launch_id())
+
+
+def _check_all(args, source: Source, overrides: list[str]) -> Path | None:
+    """Compose and check every config the launch runs; the run dir of a single run (else None)."""
+    runs = not (args.help or args.hydra_help or args.info)  # these only print (their logging setup is checked)
+    out = None
+    for i, (cfg, passed) in enumerate(_compose_variants(source, overrides, args.multirun)):
+        multirun = args.multirun or str(cfg.hydra.mode).endswith("MULTIRUN")
+        trust, job = check_composed(cfg, source, passed, multirun=multirun)
+        if i == 0 and not multirun:
+            out = Path(cfg.hydra.runtime.output_dir)
+        if not runs:
+            continue
+        from framework.config.validate import validate
+
+        run = validate(job, trust)
+        if run.mode == "plan" and not multirun and not args.cfg:  # the whole job: no run dir, no Hydra
+            print_plan(run)
+            sys.exit(0)
+        if i == 0 and not args.cfg and _launch_rank() == 0:  # --cfg only prints
+            _precheck_dirs(cfg, run, multirun)
+    return out
 
 
 def check_composed(cfg, source: Source, passed: list[str], *, multirun: bool):
@@ -293,9 +347,10 @@ def _first_line(e: BaseException) -> str:
 
 
 # -- the job -------------------------------------------------------------------------------------
-def main(cfg) -> dict:
+def main(cfg) -> dict | JobResult:
     """Run one job from a composed config (called by @hydra.main, also from submitit)."""
-    lock = None
+    lock = history = None
+    code, steps = 1, None  # what the history's end entry says
     try:
         resolvers.restrict()
         trust = job_gate(cfg)
@@ -306,15 +361,22 @@ def main(cfg) -> dict:
             return {"plan": print_plan(run)}
         run_dir = _run_dir()
         lock = prepare_run_dir(run, run_dir)
+        if lock is not None:  # the main rank
+            history = _start_history(run, run_dir)
         from framework.runtime import run_job
 
-        return run_job(run, run_dir=run_dir)
+        result = run_job(run, run_dir=run_dir)
+        code, steps = 0, result.get("steps")
+        return result
     except FrameworkError as e:
-        fail(e)
+        code = e.exit_code
+        _fail_job(e)
     except KeyboardInterrupt:
         # The abort is the message: the process ends here, before interpreter shutdown runs
         # what the abort cut short (zarr's event loop, a coroutine never awaited, a worker's
         # pipe), whose complaints would print after this line. The lock and logs go first.
+        if history is not None:
+            history.end(EXIT_INTERRUPTED)
         if lock is not None:
             lock.release()
         logging.shutdown()
@@ -322,8 +384,54 @@ def main(cfg) -> dict:
         sys.stdout.flush()
         os._exit(EXIT_INTERRUPTED)
     finally:
+        if history is not None:
+            history.end(code, steps)
         if lock is not None:
             lock.release()
+
+
+def _fail_job(e: FrameworkError) -> NoReturn:
+    """:func:`fail`; in a job submitit started, the line is also handed back to the launching
+    process (a job that exits leaves submitit no result, and its launcher waits on)."""
+    from framework.distributed import launcher
+
+    if launcher.in_submitit_job() and e.exit_code != launcher.EXIT_STOPPED:  # a stop is requeued
+        print(f"{getattr(e, 'prefix', 'error')}: {one_line(e)}", file=sys.stderr, flush=True)
+        raise launcher.job_failed(one_line(e), e.exit_code) from None
+    fail(e)
+
+
+def _start_history(run, run_dir: Path):
+    """Log what a rerun reused and append this invocation to the run dir's history (main rank)."""
+    from framework import rerun as rerun_mod
+    from framework.errors import RunDirError
+
+    log = logging.getLogger("framework")
+    effective = _task_overrides()
+    rerun = _RERUN if _RERUN is not None and Path(_RERUN.run_dir) == Path(os.path.abspath(run_dir)) else None
+    if rerun is not None:
+        for line in rerun.log_lines():
+            log.info(line)
+    history = rerun_mod.History(run_dir)
+    resumes = rerun_mod.resume_point(run.checkpoint.resume, run_dir) if run.checkpoint.name != "none" else None
+    try:
+        history.start(
+            passed=_PASSED if _PASSED is not None else effective,
+            effective=effective,
+            reused=rerun.record if rerun is not None and rerun.merge is not None else None,
+            resumes_from=resumes,
+        )
+    except OSError as e:
+        raise RunDirError(f"hydra.run.dir: cannot write {history.path}: {e.strerror or e}") from None
+    return history
+
+
+def _task_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [str(o) for o in HydraConfig.get().overrides.task]
 
 
 def print_plan(run) -> list[str]:

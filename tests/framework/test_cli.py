@@ -107,6 +107,76 @@ def test_a_longer_run_on_resume_follows_the_schedule_of_the_new_length(tmp_path)
     )
 
 
+def test_a_rerun_with_only_the_new_override_continues_the_run(tmp_path):
+    """hydra.run.dir=RUN trainer.max_steps=9: the recorded overrides are reused (the tiny model,
+    grid and data of the first invocation; without them the resume would be refused), the new
+    one applies; the history holds every invocation; a rerun refused on resume is not reused."""
+    from framework import rerun
+
+    run = tmp_path / "run"
+    first = tiny_overrides(tmp_path, tmp_path / "data", deterministic="true")
+    assert run_cli(first, cwd=tmp_path).returncode == 0
+    proc = run_cli([f"hydra.run.dir={run}", "trainer.max_steps=9"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (run / "framework.log").read_text()
+    recorded = [o for o in first if not o.startswith("hydra.")]
+    assert f"rerun of {run}: {len(recorded) - 1} override(s) reused from {run / rerun.HISTORY}: " in log
+    assert "rerun: new overrides applied: trainer.max_steps=9 (was trainer.max_steps=6)" in log
+    assert f"resumed from {run / 'checkpoints' / 'step_00000006'} at step 6" in log
+    assert [r["step"] for r in read(run / "metrics.jsonl", "train")] == list(range(1, 10))
+    effective = [o if o != "trainer.max_steps=6" else "trainer.max_steps=9" for o in recorded]
+    assert (run / ".hydra" / "overrides.yaml").read_text().splitlines() == [f"- {o}" for o in effective]
+
+    entries = rerun.history_entries(run / rerun.HISTORY)
+    starts = [e for e in entries if e["event"] == "start"]
+    assert [e["passed"] for e in starts] == [first, [f"hydra.run.dir={run}", "trainer.max_steps=9"]]
+    assert [e["effective"] for e in starts] == [recorded, effective]
+    assert [e["resumes_from"] for e in starts] == [
+        None,
+        {"step": 6, "checkpoint": str(run / "checkpoints" / "step_00000006")},
+    ]
+    assert [(e["exit"], e["step"]) for e in entries if e["event"] == "end"] == [(0, 6), (0, 9)]
+
+    # A change a resume refuses: one line, exit 2, recorded as refused, and never the base of a rerun.
+    proc = run_cli([f"hydra.run.dir={run}", "model.model_channels=4", "trainer.max_steps=10"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        "error: model.model_channels: cannot change when resuming (checkpoint: 8, now: 4)"
+    ), proc.stderr[-2000:]
+    assert rerun.history_entries(run / rerun.HISTORY)[-1]["exit"] == 2
+    assert rerun.read_record(run).overrides == effective
+
+
+@pytest.mark.parametrize(
+    "file,text,pattern",
+    [
+        (
+            "overrides.yaml",
+            "trainer: {max_steps: 3}\n",
+            r"overrides\.yaml: not a list of override strings \(got dict\)",
+        ),
+        (
+            "overrides.yaml",
+            "- trainer.max_steps=3\n- +hydra.callbacks.x._target_=os.system\n",
+            r"overrides\.yaml: \+hydra\.callbacks\.x\._target_=os\.system: a run dir records only the job's",
+        ),
+        (
+            "override_history.jsonl",
+            '{"event": "start", "id": "1", "effective": ["optim._target_=os.system"]}\n',
+            r"^error: optim\._target_: target 'os\.system' is not allowed.*\(an override reused from .*"
+            r"override_history\.jsonl; drop it with ~optim\._target_\)$",
+        ),
+    ],
+)
+def test_a_crafted_record_in_the_run_dir_is_refused_in_one_line(tmp_path, file, text, pattern):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / file).write_text(text)
+    proc = run_cli([f"hydra.run.dir={run}", "trainer.max_steps=2"], cwd=tmp_path)
+    assert_one_line_error(proc, 2, pattern)
+    assert sorted(p.name for p in run.iterdir()) == [".hydra"]  # refused before anything was written
+    assert (run / ".hydra" / file).read_text() == text
+
+
 @pytest.mark.parametrize("precision", ["bf16", "tf32", "fp16"])
 def test_precisions_train(tmp_path, precision):
     over = tiny_overrides(
