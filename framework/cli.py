@@ -10,10 +10,11 @@ Two gates (docs/security.md):
   config group too), refuses what could run code (``_target_``\\s outside the allowed
   packages, Hydra callbacks, launchers, sweepers, logging classes, environment variables,
   search-path entries, trust granted anywhere but the primary config file), validates, and
-  checks the run dir (usable, not locked by a live run);
+  checks the run dir (usable, not locked by a live run); a run dir that records a run is rerun
+  with its recorded overrides and the command line's on top (:mod:`framework.rerun`);
 * :func:`main`, the job (called by Hydra, also in a submitit job whose config came from a
   file): the same checks on the job's config and Hydra node, the I/O checks, the run-dir
-  lock, then :func:`framework.runtime.run_job`.
+  lock, the run dir's override history (main rank), then :func:`framework.runtime.run_job`.
 """
 
 from __future__ import annotations

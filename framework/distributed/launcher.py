@@ -1,5 +1,7 @@
-"""What a rank does about its launcher, before anything heavy is imported (no torch here: a
-config error must exit in the time it takes to compose the config)."""
+"""Launchers, before anything heavy is imported (no torch here: a config error must exit in the
+time it takes to compose the config): what a rank does about torchrun (:func:`die_with_launcher`),
+and how a sweep through hydra-submitit-launcher reports what failed, at submission or on the
+cluster, in one line (:func:`guard_submitit`, :class:`JobFailed`; docs/slurm.md)."""
 
 from __future__ import annotations
 
