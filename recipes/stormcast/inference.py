@@ -317,6 +317,8 @@ def rollout(args) -> Path:
     )
     frames = Path(args.frames) if args.frames else Path(str(args.out) + ".frames")
     first = ds.read(idx[0])
+    # persistence: the initial state, the forecast every lead must beat
+    initial = (first["state"] * std + mean).numpy()
     state = first["state"][None].to(device).repeat(members, 1, 1, 1)
     invariants = first["invariants"][None].to(device).repeat(members, 1, 1, 1)
     bar = tqdm(range(args.hours), desc="rollout", unit="h", disable=not args.progress)
@@ -329,17 +331,26 @@ def rollout(args) -> Path:
         store.forecast[:, k] = phys
         store.truth[k] = truth
         for c in plot:
-            _frame(frames, c, names.index(c), times[k], k + 1, truth, phys)
+            _frame(frames, c, names.index(c), times[k], k + 1, truth, phys, initial)
         bar.set_postfix(valid=format_time(times[k]))
     store.close()
     return Path(args.out)
 
 
-def _frame(frames: Path, name: str, c: int, time: int, lead: int, truth, phys) -> None:
-    from recipes.weather.plots import field_figure
+def _frame(frames: Path, name: str, c: int, time: int, lead: int, truth, phys, initial) -> None:
+    from recipes.weather import plots
 
-    title = f"{name}, +{lead} h, valid {format_time(time)} (member 0 of {phys.shape[0]})"
-    field_figure(frames / f"{name}_{lead:03d}.png", name, truth[c], phys[0, c], title)
+    title = f"{name}, member 0 of {phys.shape[0]}: {plots.valid_label(time, lead)}"
+    plots.field_figure(
+        frames / f"{name}_{lead:03d}.png",
+        name,
+        truth[c],
+        phys[0, c],
+        title,
+        persistence=initial[c],
+        units=plots.channel_units(name),
+        shown="member 0",
+    )
 
 
 def main(argv=None) -> int:

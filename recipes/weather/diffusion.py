@@ -49,7 +49,7 @@ class DiffusionTask(RegressionTask):
     def __init__(self, run, env, device, barrier=lambda: None, domain=None):
         super().__init__(run, env, device, barrier=barrier, domain=domain)
         self._regression, self._regression_residual = None, False
-        self._figure_fields = None
+        self._figure_fields, self._figure_index = None, None  # the first validation sample's, drawn
         self._flops = None  # stated by the net (build_model), when it can
 
     # config checks, before any heavy work -------------------------------------------------
@@ -237,6 +237,8 @@ class DiffusionTask(RegressionTask):
             self._figure_fields = {"truth": truth[0], "member 0": ens[0, 0], "ensemble mean": ens[:, 0].mean(0)}
             if base is not None:
                 self._figure_fields["regression"] = base[0]
+            self._figure_fields["persistence"] = batch["state"][0].float()
+            self._figure_index = int(batch["index"][0])
         return sums
 
     def val_summary(self, sums: dict[str, torch.Tensor]) -> dict:
@@ -254,4 +256,5 @@ class DiffusionTask(RegressionTask):
         fields, self._figure_fields = self._figure_fields, None
         names = self.channels["state"]
         chans = [names.index(c) for c in (self.cfg.plot_channels or names[:1])]
-        return self.draw_fields(out_dir, step, {k: v[chans] for k, v in fields.items()}, chans, "member 0")
+        fields = {k: v[chans] for k, v in fields.items()}
+        return self.draw_fields(out_dir, step, fields, chans, "member 0", index=self._figure_index)

@@ -255,7 +255,14 @@ class _Geometry:
 
 
 def _step(q: np.ndarray, u: np.ndarray, v: np.ndarray, relax: np.ndarray, forcing: np.ndarray) -> np.ndarray:
-    """One explicit hour: upwind advection + diffusion + relaxation (no noise). x is axis -1, y axis -2."""
+    """One explicit hour: upwind advection + diffusion + relaxation (no noise). x is axis -1, y axis -2.
+
+    The domain is periodic while the model pads with zeros, and this is kept on purpose: every
+    field here is a sum of smooth periodic modes, so a field continues smoothly across the wrap
+    and the value carried in from the opposite edge is what the edge's own neighbourhood predicts.
+    Open (zero-gradient) edges were tried and left the model's error ring along the edges as it
+    was (docs/stormcast.md, "Figures"): the ring is the zero-padded network learning its edges.
+    """
     west = np.roll(q, 1, axis=-1)
     east = np.roll(q, -1, axis=-1)
     south = np.roll(q, 1, axis=-2)

@@ -260,7 +260,12 @@ class RegressionTask(Task):
         pred = self._predict(model, batch).float()
         target = batch["target"].float()
         if self._figure is None:  # the first validation sample of this rank, for the figure
-            self._figure = (target[0, 0].detach(), pred[0, 0].detach())
+            self._figure = {
+                "truth": target[0, :1].detach(),
+                "prediction": pred[0, :1].detach(),
+                "persistence": batch["state"][0, :1].float().detach(),
+                "index": int(batch["index"][0]),
+            }
         dims = (0, 2, 3)
         return {
             "se_model": ((pred - target) ** 2).sum(dims).double(),
@@ -269,16 +274,20 @@ class RegressionTask(Task):
         }
 
     def val_figures(self, out_dir, step: int) -> dict:
-        """Truth / prediction / error of the first channel of the first validation sample."""
+        """Truth / prediction / persistence and their errors of the first channel of the first
+        validation sample, and their spectra."""
         if self._figure is None:
             return {}
-        (truth, pred), self._figure = self._figure, None
-        return self.draw_fields(out_dir, step, {"truth": truth[None], "prediction": pred[None]}, [0], "prediction")
+        fields, self._figure = self._figure, None
+        index = fields.pop("index")
+        return self.draw_fields(out_dir, step, fields, [0], "prediction", index=index)
 
-    def draw_fields(self, out_dir, step: int, fields: dict, channels: list[int], shown: str) -> dict:
+    def draw_fields(self, out_dir, step: int, fields: dict, channels: list[int], shown: str, index=None) -> dict:
         """Field and spectrum figures of ``fields`` ({label: (len(channels), rows, W)}, normalised),
         one pair per state (HRRR) channel index in ``channels``; the field figure shows ``fields[shown]``
-        against ``fields["truth"]``.
+        and, when given, ``fields["persistence"]`` (the state the forecast starts from, left out of the
+        spectra) against ``fields["truth"]``. ``index``: the validation sample, whose valid time and
+        lead go in the titles.
 
         Domain ranks hold bands of rows: the fields are gathered (comm.gather_rows) before the
         global rank 0 draws them. Returns {name: png path} on that rank, else {}.
@@ -289,18 +298,41 @@ class RegressionTask(Task):
             fields = {k: gather_rows(v, self.domain, dim=1) for k, v in fields.items()}
         if not self.env.is_main:
             return {}
-        from recipes.weather.plots import field_figure, spectra_figure
+        from recipes.weather import plots
 
         ds, names = self.val_dataset(), self.channels["state"]
-        out, title = {}, f"{self.run.recipe}, step {step}: first validation sample"
+        title = f"{self.run.recipe}, step {step}: first validation sample"
+        if index is not None:
+            state_hour, valid_hour = ds.sample_times(index)
+            title += f", {plots.valid_label(valid_hour, valid_hour - state_hour)}"
+        spacing = plots.grid_spacing_km(self.data_cfg.root, layout.naming_of(self.data_cfg))
+        out = {}
         for j, c in enumerate(channels):
             name, mean, std = names[c], float(ds.state_means[c]), float(ds.state_stds[c])
             phys = {k: v[j].cpu().double().numpy() * std + mean for k, v in fields.items()}  # physical units
+            units = plots.channel_units(name)
             out[f"fields/{name}"] = str(
-                field_figure(Path(out_dir) / f"val_{step:08d}_{name}.png", name, phys["truth"], phys[shown], title)
+                plots.field_figure(
+                    Path(out_dir) / f"val_{step:08d}_{name}.png",
+                    name,
+                    phys["truth"],
+                    phys[shown],
+                    title,
+                    persistence=phys.get("persistence"),
+                    units=units,
+                    shown=shown,
+                )
             )
+            spectra = {k: v for k, v in phys.items() if k != "persistence"}
             out[f"spectra/{name}"] = str(
-                spectra_figure(Path(out_dir) / f"spectrum_{step:08d}_{name}.png", name, phys, title)
+                plots.spectra_figure(
+                    Path(out_dir) / f"spectrum_{step:08d}_{name}.png",
+                    name,
+                    spectra,
+                    title,
+                    units=units,
+                    spacing_km=spacing,
+                )
             )
         return out
 
