@@ -8,6 +8,7 @@ resume from -> model (``checkpoint.init_from`` on a fresh start) on device -> do
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import warnings
@@ -46,7 +47,52 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(False)
 
 
-def run_job(run, run_dir: Path) -> dict:
+class JobResult(float):
+    """What a training job returns: the run's ``objective`` as a float, and its summary by key.
+
+    Hydra's sweepers read the job's return value as a number (Optuna calls ``float()`` on it,
+    Nevergrad computes with it, Ax takes a float but reads a dict as named metrics), so the
+    value itself is the objective: NaN when the run logged no such value (a resumed run with
+    no step left to train). The summary stays readable as before: ``result["steps"]``,
+    ``"final_loss"``, ``"val"`` (the last validation row), ``"run_dir"``, ``"resumed_from"``,
+    ``"objective"`` (its name)."""
+
+    summary: dict
+
+    def __new__(cls, value: float, summary: dict) -> JobResult:
+        self = super().__new__(cls, value)
+        self.summary = dict(summary)
+        return self
+
+    def __reduce__(self):  # pickled back from a submitit job
+        return (type(self), (float(self), self.summary))
+
+    def __getitem__(self, key: str):
+        return self.summary[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.summary
+
+    def get(self, key: str, default=None):
+        return self.summary.get(key, default)
+
+    def keys(self):
+        return self.summary.keys()
+
+    def items(self):
+        return self.summary.items()
+
+
+def objective_value(name: str, final_loss: float | None, val: dict) -> float:
+    """``objective`` (validated: ``train/loss`` or ``val/<key>``) read from the run's end."""
+    from framework.config.schema import OBJECTIVE_TRAIN
+
+    value = final_loss if name == OBJECTIVE_TRAIN else val.get(name[len("val/") :])
+    return math.nan if value is None else float(value)
+
+
+def run_job(run, run_dir: Path) -> JobResult:
+    """Train; returns the run's objective as a float that also holds its summary (JobResult)."""
     registry.load_providers()
     env = dist_env.detect()
     if run.parallel.name == "auto":  # the layout the plan picks for these ranks and this memory
@@ -126,7 +172,7 @@ def _step_flops(run, degrees, env, device, task) -> float | None:
     return flops
 
 
-def _run(run, run_dir: Path, env, degrees, device) -> dict:
+def _run(run, run_dir: Path, env, degrees, device) -> JobResult:
     if not env.is_main:  # one voice in the shared log; our warnings and errors still from all
         log.setLevel(logging.WARNING)
         # Library warnings (FSDP2's "returned a view tensor", deprecations) come from code every
@@ -217,16 +263,21 @@ def _run(run, run_dir: Path, env, degrees, device) -> dict:
     finally:
         for s in sinks:
             s.close()
+    objective = objective_value(run.objective, summary.final_loss, summary.val)
     if env.is_main:
         for line in summary.lines(task):
             log.info(line)
-    return {
-        "steps": summary.steps,
-        "final_loss": summary.final_loss,
-        "val": summary.val,
-        "run_dir": summary.run_dir,
-        "resumed_from": summary.resumed_from,
-    }
+    return JobResult(
+        objective,
+        {
+            "steps": summary.steps,
+            "final_loss": summary.final_loss,
+            "val": summary.val,
+            "run_dir": summary.run_dir,
+            "resumed_from": summary.resumed_from,
+            "objective": run.objective,
+        },
+    )
 
 
 def _init_from(run, task, model, resume: Path | None) -> dict | None:
@@ -294,4 +345,6 @@ def _report(run, env, device, topology, sharded) -> None:
     )
     if sharded.units:
         log.info("FSDP2 units (%d): %s", len(sharded.units), ", ".join(sharded.units))
+    if run.tags:
+        log.info("tags: %s", ", ".join(run.tags))
     log.info("parameters: %.3f M; %.3f MB of parameters on this rank", n / 1e6, nbytes / 2**20)

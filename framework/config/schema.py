@@ -12,6 +12,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from framework.config.resume import MAY
+
 
 class Invalid(ValueError):
     def __init__(self, key: str, msg: str):
@@ -60,10 +62,25 @@ class TrainerConfig:
     figures: bool = True  # the task's validation figures (fields, spectra) at each validation
     compile: bool | None = False  # null: auto, compiled on CUDA and eager on CPU (the GPU presets)
     stop_before_end_min: float = 0.0  # SLURM: checkpoint and stop this long before the time limit
+    # Debugging (conf/debug/): > 0 trains on the first N global batches over and over, so a
+    # model that cannot drive its loss down on them has a bug; 0: off.
+    overfit_batches: int = 0
+    detect_anomaly: bool = False  # torch.autograd anomaly detection: names the forward op of a NaN gradient (slow)
+    # > 0: a torch.profiler trace of this many steps, after one skipped step (the first: FLOP
+    # counting, compilation) and one warm-up, written under <run dir>/profile/; 0: off.
+    profile_steps: int = 0
 
     def __post_init__(self):
         positive(self, "max_steps", "grad_accum", "log_every")
-        non_negative(self, "grad_clip", "val_every", "val_batches", "stop_before_end_min")
+        non_negative(
+            self, "grad_clip", "val_every", "val_batches", "stop_before_end_min", "overfit_batches", "profile_steps"
+        )
+        if self.profile_steps and self.max_steps < self.profile_steps + 2:
+            raise Invalid(
+                "profile_steps",
+                f"{self.profile_steps} traced steps need trainer.max_steps >= {self.profile_steps + 2} "
+                f"(one step skipped, one warm-up; got max_steps={self.max_steps})",
+            )
 
 
 @dataclass
@@ -200,6 +217,26 @@ class PlanConfig:
 
 
 @dataclass
+class PathsConfig:
+    """Where a site keeps its data and writes its runs (``paths=<site>``): ``data.root`` of the
+    synthetic presets and ``hydra.run.dir`` / ``hydra.sweep.dir`` interpolate these."""
+
+    data_dir: str = path_field("data")  # data stores (the synthetic ones are written here)
+    output_dir: str = path_field("outputs")  # run dirs of single runs: <output_dir>/<recipe>/<date>/<time>
+    multirun_dir: str = path_field("multirun")  # sweeps: <multirun_dir>/<recipe>/<date>/<time>/<job>
+
+    RESUME_RULES = (("*", MAY, None),)  # where things are kept, not what the run learns
+
+    def __post_init__(self):
+        for key in ("data_dir", "output_dir", "multirun_dir"):
+            if not str(getattr(self, key)).strip():
+                raise Invalid(key, "is empty")
+
+
+OBJECTIVE_TRAIN = "train/loss"  # the final train loss; every other objective names a key of the last val row
+
+
+@dataclass
 class TopConfig:
     """Top-level keys outside any group."""
 
@@ -208,10 +245,28 @@ class TopConfig:
     deterministic: bool = False
     device: str = "auto"  # auto | cpu | cuda
     mode: str = "train"  # train | plan: print the plan (framework/plan.py) instead of training
+    tags: list[str] = field(default_factory=list)  # saved with the config, sent to wandb as the run's tags
+    # What the job returns to a Hydra sweeper (Optuna, Ax, Nevergrad): val/<key> of the last
+    # validation row (val/loss, val/rmse, val/rmse/t2m, ...) or train/loss.
+    objective: str = "val/loss"
+
+    RESUME_RULES = (("tags", MAY, None), ("objective", MAY, None))  # labels, not what the run learns
 
     def __post_init__(self):
         one_of(self, "device", ("auto", "cpu", "cuda"))
         one_of(self, "mode", ("train", "plan"))
+        for i, tag in enumerate(self.tags):
+            # wandb refuses tags longer than 64 characters
+            if not isinstance(tag, str) or not tag.strip() or len(tag) > 64 or not tag.isprintable():
+                raise Invalid(f"tags[{i}]", f"must be a printable name of 1 to 64 characters (got {tag!r})")
+        if len(set(self.tags)) != len(self.tags):
+            raise Invalid("tags", f"has duplicates: {list(self.tags)}")
+        if self.objective != OBJECTIVE_TRAIN and not (self.objective.startswith("val/") and len(self.objective) > 4):
+            raise Invalid(
+                "objective",
+                f"must be val/<key of the validation row> (val/loss, ...) or {OBJECTIVE_TRAIN} "
+                f"(got {self.objective!r})",
+            )
 
 
 def _store():
@@ -230,6 +285,7 @@ def _store():
         "schedule": ScheduleConfig,
         "cluster": ClusterConfig,
         "plan": PlanConfig,
+        "paths": PathsConfig,
     }.items():
         cs.store(group=f"schema/{group}", name="base", node=node)
 
@@ -243,4 +299,5 @@ FIXED: dict[str, Any] = {
     "optim": OptimConfig,
     "cluster": ClusterConfig,
     "plan": PlanConfig,
+    "paths": PathsConfig,
 }

@@ -17,7 +17,8 @@ What is checked:
 * Hydra's security-relevant nodes (:data:`CRITICAL`): ``hydra.callbacks`` (refused unless
   trusted), ``hydra.launcher`` (Hydra's basic launcher or hydra-submitit-launcher; shell
   and environment fields equal to the framework's presets), ``hydra.sweeper`` (Hydra's basic
-  sweeper), ``hydra.job.env_set`` (refused unless trusted), ``hydra.job_logging`` /
+  sweeper, or hydra-optuna-sweeper with data-only fields: :data:`OPTUNA_SAMPLERS`, no storage,
+  no custom search space), ``hydra.job.env_set`` (refused unless trusted), ``hydra.job_logging`` /
   ``hydra.hydra_logging`` (standard ``logging`` classes and ``ext://sys.stdout|stderr``
   only), ``hydra.searchpath`` (``file://`` from the command line); interpolations in these
   nodes may only name Hydra's own run-time values (:data:`SAFE_REFS`);
@@ -47,6 +48,22 @@ from framework.errors import ConfigError
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 LAUNCHER_PREFIXES = ("hydra_plugins.hydra_submitit_launcher.",)
+
+# hydra-optuna-sweeper, allowed with the fields below only (conf/hparams_search/). Hydra builds
+# the sweeper node with instantiate(), recursively: any `_target_` inside it is called.
+OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+# sampler._target_ (and a CMA-ES sampler's independent_sampler): Optuna's own samplers, whose
+# arguments are numbers and names
+OPTUNA_SAMPLERS = frozenset(
+    f"optuna.samplers.{name}"
+    for name in ("TPESampler", "RandomSampler", "CmaEsSampler", "NSGAIISampler", "MOTPESampler", "GridSampler")
+)
+OPTUNA_SCALARS = frozenset({"study_name", "n_trials", "n_jobs", "max_failure_rate"})
+# fields that name code or a store to open: only null. custom_search_space is a function the
+# sweeper calls; storage is a database URL (SQLAlchemy loads dialect plugins; a redis:// store
+# holds pickled trials, unpickled on load) or a node Hydra instantiates.
+OPTUNA_NULL = ("storage", "custom_search_space")
+OPTUNA_DISTRIBUTION = frozenset({"type", "choices", "low", "high", "log", "step"})  # search_space.<name>.*
 
 # Hydra nodes whose content runs code or shapes a process; see the module docstring.
 CRITICAL = ("callbacks", "launcher", "sweeper", "job.env_set", "job_logging", "hydra_logging", "searchpath")
@@ -545,15 +562,7 @@ def check_hydra(
 
     _check_callbacks(resolved["callbacks"], h, trust, presets, job_targets)
     _check_launcher(resolved["launcher"], h, trust, presets, job_targets)
-    sweeper = resolved["sweeper"] or {}
-    target = sweeper.get("_target_") if isinstance(sweeper, dict) else None
-    if target is not None and target != BASIC_SWEEPER:
-        if not matches(target, trust.hydra_targets):
-            raise ConfigError(
-                f"hydra.sweeper._target_: sweeper '{target}' is not allowed; only Hydra's basic "
-                f"sweeper ({BASIC_SWEEPER}) or one listed in trust.hydra_targets of the primary config"
-            )
-        locate(target, trust.hydra_targets, "hydra.sweeper._target_")
+    _check_sweeper(resolved["sweeper"], trust)
     _check_env_set(resolved["job.env_set"], h, trust, presets)
     for sub in ("job_logging", "hydra_logging"):
         _check_logging(resolved[sub], f"hydra.{sub}", trust)
@@ -756,6 +765,101 @@ def _check_launcher(launcher: Any, h: DictConfig, trust: Trust, presets: Presets
                     f"(it runs as shell code or sets how the job starts)"
                 )
     check_targets_resolved({k: v for k, v in launcher.items() if k != "_target_"}, job_targets, "hydra.launcher")
+
+
+def _check_sweeper(sweeper: Any, trust: Trust) -> None:
+    target = sweeper.get("_target_") if isinstance(sweeper, dict) else None
+    if target is None or target == BASIC_SWEEPER:
+        return
+    if target == OPTUNA_SWEEPER:  # its fields are checked even where trust lists it
+        _check_optuna(sweeper)
+        return
+    if not matches(target, trust.hydra_targets):
+        raise ConfigError(
+            f"hydra.sweeper._target_: sweeper '{target}' is not allowed; only Hydra's basic "
+            f"sweeper ({BASIC_SWEEPER}), the Optuna sweeper ({OPTUNA_SWEEPER}) or one listed in "
+            "trust.hydra_targets of the primary config"
+        )
+    locate(target, trust.hydra_targets, "hydra.sweeper._target_")
+
+
+def _check_optuna(sweeper: dict) -> None:
+    """hydra-optuna-sweeper's node: its known fields, with values that are data (see OPTUNA_*)."""
+    for field, value in sweeper.items():
+        path = f"hydra.sweeper.{field}"
+        if field == "_target_":
+            continue
+        if field == "sampler":
+            _check_optuna_sampler(value, path)
+        elif field == "direction":
+            names = [getattr(v, "name", v) for v in (value if isinstance(value, list) else [value])]
+            if not names or any(n not in ("minimize", "maximize") for n in names):
+                raise ConfigError(f"{path}: must be minimize or maximize, or a list of them (got {value!r})")
+        elif field in OPTUNA_NULL:
+            if value is not None:
+                what = "names a function the sweeper calls" if field == "custom_search_space" else "opens a store"
+                raise ConfigError(
+                    f"{path}: must be null: it {what}, which can run code (the framework keeps the study "
+                    "in memory; docs/security.md)"
+                )
+        elif field in OPTUNA_SCALARS:
+            _scalar_ok(path, value)
+        elif field == "params":
+            for key, v in _mapping(value, path).items():
+                _not_hydra(f"{path}.{key}", str(key))
+                _scalar_ok(f"{path}.{key}", v)
+        elif field == "search_space":  # deprecated by the plugin; {name: {type, low, high, ...}}
+            for key, dist in _mapping(value, path).items():
+                _not_hydra(f"{path}.{key}", str(key))
+                for k, v in _mapping(dist, f"{path}.{key}").items():
+                    if k not in OPTUNA_DISTRIBUTION:
+                        raise ConfigError(
+                            f"{path}.{key}.{k}: unknown field (valid: {', '.join(sorted(OPTUNA_DISTRIBUTION))})"
+                        )
+                    for i, item in enumerate(v if k == "choices" and isinstance(v, list) else [v]):
+                        _scalar_ok(f"{path}.{key}.{k}" + (f"[{i}]" if k == "choices" else ""), item)
+        else:
+            raise ConfigError(f"{path}: not a field the framework allows in the Optuna sweeper")
+
+
+def _check_optuna_sampler(sampler: Any, path: str) -> None:
+    if not isinstance(sampler, dict) or sampler.get("_target_") not in OPTUNA_SAMPLERS:
+        target = sampler.get("_target_") if isinstance(sampler, dict) else sampler
+        raise ConfigError(
+            f"{path}._target_: sampler '{target}' is not allowed; only " + ", ".join(sorted(OPTUNA_SAMPLERS))
+        )
+    for k, v in sampler.items():
+        sub = f"{path}.{k}"
+        if k == "_target_":
+            continue
+        if k == "independent_sampler" and v is not None:
+            _check_optuna_sampler(v, sub)
+        elif k == "x0" and v is not None:  # CMA-ES's start point: {param: value}
+            for name, x in _mapping(v, sub).items():
+                if str(name).startswith("_"):
+                    raise ConfigError(f"{sub}.{name}: not a parameter name")
+                _scalar_ok(f"{sub}.{name}", x)
+        elif k.startswith("_") and k != "_partial_":
+            raise ConfigError(f"{sub}: not allowed in a sampler")
+        else:  # numbers, flags and names; an object (a callable, trials) would come as a node to build
+            _scalar_ok(sub, v)
+
+
+def _mapping(value: Any, path: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: must be a mapping")
+    if "_target_" in value:
+        raise ConfigError(f"{path}._target_: not allowed here (Hydra would build it when it builds the sweeper)")
+    return value
+
+
+def _not_hydra(path: str, key: str) -> None:
+    """Swept keys are the job's: a hydra key would set up the job (its logging, its environment)
+    before the job's own check runs."""
+    if key.lstrip("+~").split("/")[0].split(".")[0] == "hydra":
+        raise ConfigError(f"{path}: sweeping Hydra's configuration is not allowed")
 
 
 def _check_env_set(env_set: Any, h: DictConfig, trust: Trust, presets: Presets) -> None:

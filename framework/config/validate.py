@@ -33,7 +33,7 @@ REGISTRY_GROUPS = {
 }
 GROUPS = tuple(REGISTRY_GROUPS) + tuple(k for k in FIXED if k not in REGISTRY_GROUPS)
 TOP_KEYS = tuple(f.name for f in dataclasses.fields(TopConfig))
-OPTIONAL = ("plan",)  # fixed groups whose schema defaults apply when a config has no node
+OPTIONAL = ("plan", "paths")  # fixed groups whose schema defaults apply when a config has no node
 
 
 @dataclasses.dataclass
@@ -47,6 +47,8 @@ class RunConfig:
     nodes: dict[str, Any]
     raw: DictConfig  # the composed config, resolved, for logging and checkpoints
     mode: str = "train"  # train | plan
+    tags: tuple[str, ...] = ()  # saved with the config, the run's tags in wandb
+    objective: str = "val/loss"  # what the job returns to a sweeper (schema.TopConfig.objective)
 
     def __getattr__(self, name):
         nodes = self.__dict__.get("nodes", {})
@@ -148,6 +150,8 @@ def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
         nodes=nodes,
         raw=resolved,
         mode=top.mode,
+        tags=tuple(top.tags),
+        objective=top.objective,
     )
     _check_combinations(run)
     return run

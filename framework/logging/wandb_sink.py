@@ -51,6 +51,7 @@ class WandbSink:
             group=self.cfg.group or sweep,
             job_type=self.run.recipe,
             name=name or self.run_dir.name,
+            tags=list(getattr(self.run, "tags", ())) or None,  # the config's `tags`
             id=trainer.run_id,
             resume="allow",
             dir=str(self.run_dir),

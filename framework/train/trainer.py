@@ -9,6 +9,7 @@ the checkpoint manager owns files. Splitting and sharding have already been appl
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from framework import registry
-from framework.config.schema import TrainerConfig
+from framework.config.schema import OBJECTIVE_TRAIN, TrainerConfig
 from framework.data.loader import eval_loader, train_loader
 from framework.data.sampler import GlobalBatchSampler
 from framework.distributed import collectives
@@ -175,6 +176,7 @@ class Trainer:
         for v in sums.values():
             collectives.all_reduce_sum(v)
         row = {"step": self.step, "split": "val", **self.task.val_summary(sums)}
+        self._check_objective(row)
         self._log(row)
         # Off, the task keeps its first sample for a figure never drawn: a few small tensors.
         images = self.task.val_figures(self.run_dir / "plots", self.step) if self.cfg.figures else {}
@@ -206,7 +208,10 @@ class Trainer:
             if hasattr(sink, "start"):
                 sink.start(self)
         data = self.run.data
-        sampler = GlobalBatchSampler(
+        overfit = self.cfg.overfit_batches
+        if overfit and self.env.is_main:
+            log.info("trainer.overfit_batches=%d: training on the first %d global batch(es) only", overfit, overfit)
+        sampler = (functools.partial(FirstBatches, repeat=overfit) if overfit else GlobalBatchSampler)(
             len(self.task.train_dataset()),
             data.batch_size,
             dp_rank=self.dp_rank,
@@ -226,12 +231,16 @@ class Trainer:
         console = next((s for s in self.sinks if hasattr(s, "advance")), None)
         stop = preemption.StopRequest(self.cfg.stop_before_end_min)
         stop.install()
+        profiler = self._profiler()
         try:
-            return self._loop(batches, console, stop, resumed)
+            with torch.autograd.detect_anomaly() if self.cfg.detect_anomaly else contextlib.nullcontext():
+                return self._loop(batches, console, stop, resumed, profiler)
         finally:
+            if profiler is not None:
+                profiler.stop()  # a run cut short still writes what was traced
             stop.uninstall()
 
-    def _loop(self, batches, console, stop, resumed) -> Summary:
+    def _loop(self, batches, console, stop, resumed, profiler=None) -> Summary:
         self.model.train()
         last_loss, val_row = None, {}
         watch = metrics.Stopwatch(self.device)
@@ -250,6 +259,8 @@ class Trainer:
             else:
                 loss, grad_norm = self.train_step(batch)
             self.step += 1
+            if profiler is not None:
+                profiler.step()
             last = self.step == self.cfg.max_steps
 
             saving = self.checkpoint is not None and self.checkpoint.due(self.step, last)
@@ -274,16 +285,59 @@ class Trainer:
             self.checkpoint.finish()  # a run that ends waits for its last save
         return Summary(self.step, last_loss, val_row, str(self.run_dir), resumed)
 
+    def _check_objective(self, row: dict) -> None:
+        """``objective=val/<key>`` must name a key of the validation row: checked at the first
+        validation (every rank alike), not at the end of a long run."""
+        name = getattr(self.run, "objective", OBJECTIVE_TRAIN)
+        if name == OBJECTIVE_TRAIN or name[len("val/") :] in row:
+            return
+        keys = ", ".join(f"val/{k}" for k in row if k not in ("step", "split"))
+        raise ConfigError(f"objective: {name!r} is not in the validation row (available: {keys}, {OBJECTIVE_TRAIN})")
+
+    def _profiler(self):
+        """``trainer.profile_steps=N``: torch.profiler over N steps after one skipped (the first
+        step counts FLOPs or compiles) and one warm-up; each rank writes a chrome trace and a
+        table of its slowest ops under <run dir>/profile/."""
+        n = self.cfg.profile_steps
+        if not n:
+            return None
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        out = self.run_dir / "profile"
+        out.mkdir(parents=True, exist_ok=True)
+        cuda = self.device.type == "cuda"
+        rank = self.env.rank
+
+        def written(prof) -> None:
+            trace = out / f"trace_rank{rank}.json"
+            prof.export_chrome_trace(str(trace))
+            sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+            (out / f"ops_rank{rank}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+            log.info(
+                "profile: steps %d-%d traced to %s (ops_rank%d.txt: the slowest ops)",
+                self.step - n + 1,
+                self.step,
+                trace,
+                rank,
+            )
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        prof = profile(
+            activities=activities, schedule=schedule(wait=1, warmup=1, active=n, repeat=1), on_trace_ready=written
+        )
+        prof.start()
+        return prof
+
     def _check_resume(self, path: Path) -> list:
         """Say which settings differ from the checkpoint's run (returned); refuse those that may not
         change (framework.config.resume: the model, the task, the data a model was trained on)."""
         from framework.checkpoint.backend import read_meta
         from framework.config.resume import check_resume, schema_rules
+        from framework.config.schema import TopConfig
 
         saved = read_meta(path).get("config") or {}
-        changes = check_resume(
-            saved, _plain(self.run.raw), exclude=tuple(self.run.checkpoint.exclude), rules=schema_rules(self.run)
-        )
+        rules = (*schema_rules(self.run), *TopConfig.RESUME_RULES)  # the top-level keys' own (tags, objective)
+        changes = check_resume(saved, _plain(self.run.raw), exclude=tuple(self.run.checkpoint.exclude), rules=rules)
         for change in changes:
             log.info("resume: %s", change.line())
         return changes
@@ -372,6 +426,17 @@ class Trainer:
         done = self.step - self._start
         row["eta_s"] = (time.perf_counter() - t_run) / done * (self.cfg.max_steps - self.step)
         return row
+
+
+class FirstBatches(GlobalBatchSampler):
+    """``trainer.overfit_batches=N``: the global batches of steps 0..N-1, over and over."""
+
+    def __init__(self, *args, repeat: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.repeat = repeat
+
+    def global_batch_indices(self, step: int) -> list[int]:
+        return super().global_batch_indices(step % self.repeat)
 
 
 def _plain(cfg) -> dict:

@@ -102,7 +102,7 @@ CASES = {
     "searchpath": (["hydra.searchpath=[pkg://evilmod]"], r"^error: hydra\.searchpath: 'pkg://evilmod' is not allowed"),
     # a _target_ inside an interpolation in a --config-dir file passed the unresolved check
     "oc_decode": (
-        ["--config-dir", "{cd}", "+experiment=evil"],
+        ["--config-dir", "{cd}", "experiment=evil"],
         r"^error: optim\._target_: target 'evilmod\.x' is not allowed",
     ),
     # --help configures Hydra's logging from hydra.hydra_logging
@@ -119,6 +119,20 @@ CASES = {
     "sweep_group": (
         ["--multirun", "--config-dir", "{cd}", "cluster=local,evil", "hydra.sweep.dir={tmp}/sweep"],
         r"^error: hydra\.job_logging\.handlers\.x\.class: logging class 'zipfile\.ZipFile'",
+    ),
+    # Hydra builds the Optuna sweeper's node with instantiate(): a sampler, a storage or a custom
+    # search space from the command line or a sweep file imported and called evilmod
+    "optuna_sampler": (
+        ["hparams_search=optuna_lr", "hydra.sweeper.sampler._target_=evilmod.x", "hydra.sweep.dir={tmp}/sweep"],
+        r"^error: hydra\.sweeper\.sampler\._target_: sampler 'evilmod\.x' is not allowed; only optuna\.samplers\.",
+    ),
+    "optuna_storage": (
+        ["hparams_search=optuna_lr", "hydra.sweeper.storage={{_target_:evilmod.x}}", "hydra.sweep.dir={tmp}/sweep"],
+        r"^error: hydra\.sweeper\.storage: must be null",
+    ),
+    "optuna_search_space": (
+        ["hparams_search=optuna_lr", "hydra.sweeper.custom_search_space=evilmod.x", "hydra.sweep.dir={tmp}/sweep"],
+        r"^error: hydra\.sweeper\.custom_search_space: must be null",
     ),
     # --experimental-rerun unpickles a file
     "rerun": (["--experimental-rerun", "{tmp}/config.pickle"], r"^error: --experimental-rerun loads a pickle"),
