@@ -249,7 +249,7 @@ def test_a_logging_node_built_by_an_interpolation_is_refused(tmp_path):
         """)
     )
     refused(
-        ["+experiment=log"],
+        ["experiment=log"],
         r"^hydra\.job_logging\.handlers: .*oc\.create.* not an interpolation allowed here",
         Source(extra_dir=str(tmp_path)),
     )
@@ -265,7 +265,7 @@ def test_a_hidden_override_list_from_a_config_file_is_refused(tmp_path):
             hydra: ['+hydra.job.env_set.PATH=/tmp/evil']
         """)
     )
-    refused(["+experiment=hide"], r"^hydra\.overrides: set by a config file", Source(extra_dir=str(tmp_path)))
+    refused(["experiment=hide"], r"^hydra\.overrides: set by a config file", Source(extra_dir=str(tmp_path)))
 
 
 # -- trust ---------------------------------------------------------------------------------------
@@ -309,12 +309,15 @@ def test_trust_from_another_config_file_is_refused(tmp_path):
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "grant.yaml").write_text("# @package _global_\ntrust:\n  env_set: [PATH]\n")
     refused(
-        ["+experiment=grant", "+hydra.job.env_set.PATH=/x"],
+        ["experiment=grant", "+hydra.job.env_set.PATH=/x"],
         r"^trust: may only be set in the primary config file",
         Source(extra_dir=str(tmp_path)),
     )
-    source = _primary(tmp_path, "trust:\n  env_set: [FOO]\n")
-    refused(["+experiment=grant"], r"^trust: may only be set in the primary config file", source)
+    # A primary config whose own values come first: the experiment, composed after them, would
+    # replace its trust node (with `_self_` last, the primary's node wins and nothing changes).
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - _self_\n  - config\ntrust:\n  env_set: [FOO]\n")
+    source = Source(extra_dir=str(tmp_path), config_name="mine")
+    refused(["experiment=grant"], r"^trust: may only be set in the primary config file", source)
 
 
 def test_trust_cannot_be_an_interpolation(tmp_path):
