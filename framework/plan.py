@@ -13,8 +13,12 @@ every tensor has its real shape and dtype and no memory behind it.
   whole gradient), optimizer state (the configured ``torch.optim`` optimizer, stepped once on
   meta tensors of the rank's own shard shapes).
 * Estimated: activations (the peak of the bytes that aten ops allocate and still hold during
-  one traced forward + backward of a rank's micro-batch, its band of rows when split, on the
-  CPU's code path) and communication buffers (DDP's gradient buckets; FSDP2's gathered units).
+  one traced eager forward + backward of a rank's micro-batch, its band of rows when split) and
+  communication buffers (DDP's gradient buckets; FSDP2's gathered units).
+
+The trace runs on the CPU, casting as the planned device would: a GPU's autocast rules
+(framework/gpu_rules.py) unless ``device=cpu``, and FSDP2's bf16 MixedPrecisionPolicy (the
+whole network in bf16, no autocast) for sharded bf16 layouts.
 """
 
 from __future__ import annotations
@@ -34,9 +38,8 @@ from framework.errors import ConfigError
 
 log = logging.getLogger("framework")
 GIB = 2**30
-# The code path traced, also when planning for GPUs: the same on every machine (a laptop plans a
-# cluster job). Where the GPU's differs (bf16 autocast keeps GroupNorm in fp32 on CUDA), the
-# estimate is low: docs/plan.md.
+# Where the step is traced, also when planning for GPUs: the same on every machine (a laptop plans
+# a cluster job); the casts follow the planned device (Machine.device).
 TRACE_DEVICE = torch.device("cpu")
 
 
@@ -46,6 +49,7 @@ class Machine:
     gpus_per_node: int
     memory: int | None  # bytes per GPU; None: no limit
     headroom: float = 0.1
+    device: str = "cuda"  # whose autocast rules the traced step follows: cuda | cpu
 
     @property
     def usable(self) -> int | None:
@@ -193,7 +197,27 @@ def machine(run, world: int | None = None) -> Machine:
     memory = int(p.gpu_memory_gib * GIB) if p.gpu_memory_gib else None
     if memory is None and cuda:
         memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return Machine(world, min(per_node, world), memory, p.headroom)
+    return Machine(world, min(per_node, world), memory, p.headroom, target_device(run))
+
+
+def target_device(run) -> str:
+    """The device a plan is for: a GPU unless ``device=cpu``, or unless this is a run starting on a
+    machine without one (``parallel=auto`` there plans the CPU step it is about to take)."""
+    if run.device == "cpu" or (run.mode != "plan" and not torch.cuda.is_available()):
+        return "cpu"
+    return "cuda"
+
+
+def compute_path(run, layout: Layout | None, device: str) -> str:
+    """How the traced step computes, ``<casts>@<device>``: casts ``fp32`` (no autocast), ``params``
+    (FSDP2's bf16 MixedPrecisionPolicy: bf16 parameters and inputs, no autocast:
+    framework/distributed/sharding.py) or ``autocast``; the device's kernels and autocast rules."""
+    casts = "autocast"
+    if run.precision.name not in ("bf16", "fp16"):
+        casts = "fp32"
+    elif run.precision.name == "bf16" and layout is not None and layout.shards > 1:
+        casts = "params"
+    return f"{casts}@{device}"
 
 
 def _local_world() -> int | None:
@@ -245,7 +269,7 @@ class _Traced:
     note: str  # why activations are unknown
 
 
-def _trace(run, bands: list[int], micro: int) -> _Traced:
+def _trace(run, bands: list[int], micro: int, path: str) -> _Traced:
     from framework.distributed.env import DistEnv
     from framework.distributed.sharding import find_units
     from framework.domain.comm import DomainGroup
@@ -258,9 +282,15 @@ def _trace(run, bands: list[int], micro: int) -> _Traced:
         model = task.build_model()
         if dg is not None:
             split(model, dg, model_plan(run.model.name, len(bands)))
+        shapes = [(n, p.shape, p.dtype) for n, p in model.named_parameters()]  # as every rank stores them
         for p in model.parameters():
-            if p.requires_grad:  # held before the step: they are the gradients, not activations
+            if p.requires_grad and not path.startswith("params"):  # held before the step: gradients, not activations
                 p.grad = torch.zeros_like(p)
+        if path.startswith("params"):  # FSDP2 computes with gathered bf16 copies and reduce-scatters their grads
+            for p in model.parameters():
+                p.data = p.data.to(torch.bfloat16)
+                if p.requires_grad:  # the unit's reduce-scatter frees the bf16 gradient (comm counts it)
+                    p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     got_grad: set[str] = set()
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -276,7 +306,7 @@ def _trace(run, bands: list[int], micro: int) -> _Traced:
     if batch is not None:
         sample_bytes = sum(v.nbytes for v in batch.values() if torch.is_tensor(v)) / micro
         try:
-            activations, counted = _step(run, task, model, batch, fake, device)
+            activations, counted = _step(run, task, model, batch, fake, device, path)
         except ValueError:
             raise  # a band thinner than a layer's halo: this layout cannot run (build says so)
         except Exception as e:  # noqa: BLE001  (an op fake tensors cannot run: the exact parts still stand)
@@ -287,7 +317,8 @@ def _trace(run, bands: list[int], micro: int) -> _Traced:
         flops = counted * max(1, len(bands)) / micro
         source = "counted with torch.utils.flop_counter" + (" on the widest band" if bands else "")
     traced = activations is not None
-    params = [(n, p.shape, p.dtype, n in got_grad if traced else p.requires_grad) for n, p in model.named_parameters()]
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    params = [(n, shape, dtype, n in got_grad if traced else n in trains) for n, shape, dtype in shapes]
     units = [
         (f"{name} ({type(m).__name__})", [f"{name}.{n}" for n, _ in m.named_parameters()])
         for name, m in find_units(model, list(run.sharding.units))
@@ -297,19 +328,34 @@ def _trace(run, bands: list[int], micro: int) -> _Traced:
     return _Traced(params, buffers, units, activations, sample_bytes, flops, source, halos, note)
 
 
-def _step(run, task, model, batch, fake, device) -> tuple[int, int]:
+def _step(run, task, model, batch, fake, device, path: str) -> tuple[int, int]:
     """(peak bytes allocated and held, FLOPs) of one forward + backward, as the trainer runs it."""
+    import contextlib
+
+    from framework import gpu_rules
     from framework.distributed import precision as precision_mod
 
     batch["step"] = 0
     precision = precision_mod.build(run.precision, device)
+    casts: Any = contextlib.nullcontext()
+    casts_by, device_rules = path.split("@")
+    if casts_by == "params":
+        precision.sharded_cast = True
+        model.register_forward_pre_hook(_bf16_inputs)
+    if device_rules == "cuda":
+        casts = gpu_rules.cuda_rules(precision.autocast_dtype if casts_by == "autocast" else None)
     tracer = compat.step_tracer()
-    with fake, tracer:
+    with fake, tracer, casts:
         with precision.autocast(device):
             loss = task.loss(model, batch)
         (loss / run.trainer.grad_accum).backward()
         del loss
     return tracer.peak, tracer.flops
+
+
+def _bf16_inputs(module, args):
+    """FSDP2's MixedPrecisionPolicy casts the root module's floating inputs to its param dtype."""
+    return tuple(a.to(torch.bfloat16) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
 # -- sharding: FSDP2's rule, and the optimizer's state on meta tensors --------------------------
@@ -351,18 +397,18 @@ def _optimizer_bytes(run, shapes: tuple[tuple[tuple[int, ...], torch.dtype, bool
 _TRACES: dict[tuple, _Traced] = {}  # by (config, bands, micro-batch): layouts and sweep jobs share them
 
 
-def _traced(run, bands: list[int], micro: int) -> _Traced:
+def _traced(run, bands: list[int], micro: int, path: str) -> _Traced:
     from omegaconf import OmegaConf
 
     cfg = cast(dict, OmegaConf.to_container(run.raw))
     data = {k: v for k, v in cfg["data"].items() if k not in ("batch_size", "num_workers", "pin_memory")}
     what = [cfg["task"], cfg["model"], data, cfg["precision"], run.deterministic, list(run.sharding.units)]
-    key = (repr(what), tuple(bands), micro)  # all a trace depends on
+    key = (repr(what), tuple(bands), micro, path)  # all a trace depends on
     if key not in _TRACES:
         if len(_TRACES) >= 16:
             _TRACES.clear()
         try:
-            _TRACES[key] = _trace(run, bands, micro)
+            _TRACES[key] = _trace(run, bands, micro, path)
         except ValueError as e:  # a band thinner than a layer's halo, said by the layer
             raise ConfigError(str(e).splitlines()[0]) from None
     return _TRACES[key]
@@ -405,7 +451,7 @@ def step_flops(run, degrees: Degrees) -> tuple[float | None, str]:
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]):  # building the (fake) model draws its init
-            t = _traced(run, bands, micro)
+            t = _traced(run, bands, micro, compute_path(run, None, target_device(run)))  # FLOPs: any casts
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
@@ -415,7 +461,7 @@ def step_flops(run, degrees: Degrees) -> tuple[float | None, str]:
 def build(run, layout: Layout, m: Machine) -> Plan:
     """The plan of ``layout`` on ``m``; ConfigError (one line) where the layout cannot run."""
     per_rank, micro, bands = _step_shape(run, layout.degrees)
-    t = _traced(run, bands, micro)
+    t = _traced(run, bands, micro, compute_path(run, layout, m.device))
 
     shards, world = layout.shards, m.world
     if shards > 1:

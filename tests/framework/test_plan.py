@@ -175,9 +175,37 @@ def test_activation_estimate_is_within_25_percent_of_a_real_steps_peak_rss():
 
     registry.load_providers()
     run = validate(compose([]))
-    estimate = plan.build(run, plan.configured(run, 1), plan.Machine(1, 1, None)).activations
+    estimate = plan.build(run, plan.configured(run, 1), plan.Machine(1, 1, None, device="cpu")).activations
     assert growth > 30 * 2**20, growth  # a real step, not noise
     assert abs(estimate - growth) <= 0.25 * growth, (estimate / 2**20, growth / 2**20)
+
+
+# -- the planned device's casts ---------------------------------------------------------------------
+def test_bf16_plans_follow_the_casts_of_the_planned_device():
+    """CUDA autocast keeps GroupNorm (and the SiLU after it) in fp32 where CPU autocast runs bf16;
+    FSDP2's bf16 policy runs everything in bf16. The plan traces each as the device would."""
+    run = _run("precision=bf16", "model.dropout=0")
+    fp32 = _run("model.dropout=0")
+
+    def acts(r, world, device, layout=None):
+        lay = plan.configured(r, world) if layout is None else layout
+        return plan.build(r, lay, plan.Machine(world, world, None, device=device)).activations
+
+    cpu, cuda, full = acts(run, 1, "cpu"), acts(run, 1, "cuda"), acts(fp32, 1, "cuda")
+    assert cpu < cuda < full, (cpu, cuda, full)
+    fsdp2 = plan.configured(_run("precision=bf16", "model.dropout=0", "parallel=fsdp2"), 2)
+    assert plan.compute_path(run, fsdp2, "cuda") == "params@cuda"
+    assert plan.compute_path(run, plan.configured(run, 1), "cuda") == "autocast@cuda"
+    assert plan.compute_path(fp32, fsdp2, "cpu") == "fp32@cpu"
+    # half the samples per rank, all in bf16: about half the one-process CPU (bf16) trace
+    assert 0.4 * cpu < acts(run, 2, "cuda", fsdp2) < 0.6 * cpu
+
+
+def test_a_plan_is_for_a_gpu_unless_the_run_is_on_cpu():
+    assert plan.target_device(_run("mode=plan")) == "cuda"  # a laptop plans the cluster job
+    assert plan.target_device(_run("mode=plan", "device=cpu")) == "cpu"
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert plan.target_device(_run()) == expected  # parallel=auto at start-up: the step about to run
 
 
 # -- the trainer's FLOPs: counted on fake tensors, equal to a real step's --------------------------

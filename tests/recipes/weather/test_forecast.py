@@ -281,10 +281,11 @@ def test_regression_only_on_physicsnemo_data_has_lat_lon(stages, tmp_path):
     assert g["forecast"].shape[0] == 1 and "spread" not in g["scores"] and np.isfinite(g["scores"]["crps"][...]).all()
 
 
-def test_sampler_dtype_float32(stages, reference):
+def test_sampler_dtype_float64(stages, reference):
+    """The default (float32) sampler state against float64: other bits, the same forecast to rounding."""
     tmp = stages[0]
-    out = tmp / "f32.zarr"
-    ok(forecast([*base(stages, out), "infer.sampler_dtype=float32", "infer.scores=false", "infer.frames=false"], tmp))
+    out = tmp / "f64.zarr"
+    ok(forecast([*base(stages, out), "infer.sampler_dtype=float64", "infer.scores=false", "infer.frames=false"], tmp))
     ref, got = arrays(reference)["forecast"], arrays(out)["forecast"]
     assert not np.array_equal(ref, got)
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
