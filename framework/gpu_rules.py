@@ -4,7 +4,7 @@ there is no GPU.
 ``mode=plan`` traces a training step on fake CPU tensors (framework/plan.py). Under bf16/fp16
 autocast the CPU and CUDA cast different ops: CUDA keeps GroupNorm, LayerNorm, softmax, sums,
 ``exp``/``log``/``pow`` and up-sampling in fp32 and computes ``einsum``/``mv``/``addmv`` in the
-low dtype, where CPU autocast leaves all of these alone. For the StormCast preset that is the
+low dtype, where CPU autocast leaves all of these alone. For a GroupNorm-heavy UNet that is the
 difference between bf16 and fp32 GroupNorm/SiLU activations: a third of the step's memory.
 
 :func:`cuda_rules` registers, for as long as it is entered, CPU autocast kernels that apply
@@ -13,7 +13,7 @@ from torch's ``autocast_mode.h``; ``tests/framework/test_gpu_rules.py`` checks e
 against the dispatcher of the installed torch). Ops both devices cast (convolutions, linear,
 matmul, the losses) keep the CPU's kernel. It also routes ``dropout`` to the fused kernel CUDA
 takes (``native_dropout``: a 1-byte mask kept for backward, where the CPU's composite keeps a
-float mask the size of the activation: 11 GiB of the StormCast preset's step at dropout 0.1).
+float mask the size of the activation: an eighth of a UNet's step at dropout 0.1).
 Leaving the context removes the kernels again.
 """
 
