@@ -11,6 +11,9 @@
   on the torch minors in ``TORCH_CHECKED`` (tests/framework/distributed/test_compat.py
   runs them on the installed torch; .ci/run runs that file on the oldest and the newest
   minor of the range pyproject.toml claims).
+- ``funcol()``: ``torch.distributed._functional_collectives``, the collectives dynamo traces
+  (torch.compile through a domain-split model). No public alias in 2.11 to 2.14; the names used
+  (``all_to_all_single``, ``all_reduce``, ``all_gather_tensor``) are the ones DTensor is built on.
 - ``fake_mode`` and ``step_tracer``: ``torch._subclasses.FakeTensorMode`` and
   ``torch.utils._python_dispatch.TorchDispatchMode``, which framework/plan.py traces a step
   with. Neither has a public alias nor a fallback (without them ``mode=plan`` cannot trace);
@@ -125,6 +128,15 @@ def group_timeout(group: Any = None) -> datetime.timedelta | None:
         if isinstance(timeout, datetime.timedelta):
             return timeout
     return None
+
+
+# -- functional collectives: what torch.compile can trace ------------------------------------------
+def funcol() -> Any:
+    """``torch.distributed._functional_collectives``: collectives as ops on tensors (they return a
+    new tensor, waited for where it is used), which dynamo traces and inductor schedules."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc
 
 
 # -- FakeTensorMode and a dispatch mode: framework/plan.py traces a step with them ----------------

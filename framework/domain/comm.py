@@ -4,6 +4,12 @@ Each forward op has the exact adjoint as its backward, so gradients of a model s
 over rows equal those of the whole model. At the boundaries nothing more is needed: each
 rank reads its own rows (``DomainGroup.extents``, ``split_extents``), losses and metrics
 are local sums, and ``gather_rows`` gives the whole field where one is wanted (plots).
+
+Two implementations of each collective, with the same values: eager steps use torch.distributed's
+p2p and in-place collectives; a step under torch.compile (``trainer.compile``) uses the
+functional collectives (``compat.funcol``: a halo exchange is two cyclic permutations of
+fixed-size row slabs, sums are functional all-reduces), which dynamo traces without a graph
+break and inductor can overlap with compute.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from framework import compat
 from framework.errors import ConfigError
 
 
@@ -72,6 +79,12 @@ def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, 
             req.wait()
 
 
+def _saved(ctx, g):
+    """A halo backward's (plan, group, dim, this rank's top and bottom halo rows, its own rows)."""
+    top, bottom = ctx.plan[ctx.dg.rank]
+    return ctx.plan, ctx.dg, ctx.dim, top, bottom, g.shape[ctx.dim] - top - bottom
+
+
 class _Halo(torch.autograd.Function):
     """``x`` with ``plan[rank][0]`` rows of the previous band above it and ``plan[rank][1]`` rows of
     the next band below it, along ``dim``; rows wanted beyond a global edge are zeros (zero
@@ -101,10 +114,8 @@ class _Halo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        plan, dg, dim = ctx.plan, ctx.dg, ctx.dim
+        plan, dg, dim, top, bottom, n = _saved(ctx, g)
         r = dg.rank
-        top, bottom = plan[r]
-        n = g.shape[dim] - top - bottom
         grad = g.narrow(dim, top, n).clone()
         sends, recvs = [], []
         if top and r > 0:
@@ -126,6 +137,89 @@ class _Halo(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _slab(x: torch.Tensor, dim: int, rows: int, last: bool) -> torch.Tensor:
+    """``rows`` rows of ``x`` along ``dim``: its last (or first) ones, zero-padded on the far side
+    where ``x`` holds fewer (a thin band sends what it has; its neighbour asks no more of it)."""
+    n = x.shape[dim]
+    part = x.narrow(dim, n - min(rows, n), min(rows, n)) if last else x.narrow(dim, 0, min(rows, n))
+    if n >= rows:
+        return part
+    pad = x.new_zeros(*x.shape[:dim], rows - n, *x.shape[dim + 1 :])
+    return torch.cat([pad, part] if last else [part, pad], dim)
+
+
+def _neighbours(up: torch.Tensor | None, down: torch.Tensor | None, dg: DomainGroup):
+    """One functional all-to-all: ``up`` to the next rank, ``down`` to the previous one (every rank
+    passes slabs of the same shapes, or None for nobody). Returns (the previous rank's ``up``, the
+    next rank's ``down``), None past a global edge. One collective per exchange: ranks cannot
+    pair two of them up out of order, whatever order a compiler gives independent ops."""
+    r, last = dg.rank, dg.size - 1
+    sent, came, parts = [0] * dg.size, [0] * dg.size, []
+    if down is not None and r > 0:  # the input is ordered by destination rank
+        sent[r - 1] = down.numel()
+        parts.append(down.contiguous().flatten())
+    if up is not None and r < last:
+        sent[r + 1] = up.numel()
+        parts.append(up.contiguous().flatten())
+    if up is not None and r > 0:  # the output by source rank
+        came[r - 1] = up.numel()
+    if down is not None and r < last:
+        came[r + 1] = down.numel()
+    like = up if up is not None else down
+    assert like is not None
+    got = compat.funcol().all_to_all_single(torch.cat(parts) if parts else like.new_zeros(0), came, sent, dg.group)
+    start = came[r - 1] if r > 0 else 0
+    from_prev = got.narrow(0, 0, start).view(up.shape) if up is not None and r > 0 else None
+    from_next = got.narrow(0, start, came[r + 1]).view(down.shape) if down is not None and r < last else None
+    return from_prev, from_next
+
+
+class _TracedHalo(torch.autograd.Function):
+    """``_Halo`` in one functional all-to-all each way. Every rank sends a slab of the plan's
+    widest top halo (its last rows) to the next rank and one of the widest bottom halo (its
+    first rows) to the previous rank (slabs of one size on every rank, so the receiver knows
+    what comes); each keeps the rows it needs."""
+
+    @staticmethod
+    def forward(ctx, x, plan, dg: DomainGroup, dim: int):
+        ctx.plan, ctx.dg, ctx.dim = plan, dg, dim
+        top, bottom = plan[dg.rank]
+        tops, bottoms = max(p[0] for p in plan), max(p[1] for p in plan)
+        zeros = lambda k: x.new_zeros(*x.shape[:dim], k, *x.shape[dim + 1 :])  # noqa: E731
+        above, below = _neighbours(
+            _slab(x, dim, tops, last=True) if tops else None,
+            _slab(x, dim, bottoms, last=False) if bottoms else None,
+            dg,
+        )
+        parts = [x]
+        if top:
+            parts.insert(0, above.narrow(dim, tops - top, top) if above is not None else zeros(top))
+        if bottom:
+            parts.append(below.narrow(dim, 0, bottom) if below is not None else zeros(bottom))
+        return torch.cat(parts, dim) if len(parts) > 1 else x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        plan, dg, dim, top, bottom, n = _saved(ctx, g)
+        tops, bottoms = max(p[0] for p in plan), max(p[1] for p in plan)
+        # my top halo's gradient goes to the previous band (its last rows), my bottom halo's to the
+        # next band (its first rows); past a global edge nothing is sent (zero padding)
+        to_prev = _slab(g.narrow(dim, 0, top), dim, tops, last=True) if tops else None
+        to_next = _slab(g.narrow(dim, top + n, bottom), dim, bottoms, last=False) if bottoms else None
+        from_prev, from_next = _neighbours(to_next, to_prev, dg)
+        grad = g.narrow(dim, top, n)
+        # the previous band's rows first, then the next band's: the eager path's order of the sums
+        if from_prev is not None:
+            k = min(bottoms, n)
+            grad = torch.cat([grad.narrow(dim, 0, k) + from_prev.narrow(dim, 0, k), grad.narrow(dim, k, n - k)], dim)
+        if from_next is not None:
+            k = min(tops, n)
+            grad = torch.cat(
+                [grad.narrow(dim, 0, n - k), grad.narrow(dim, n - k, k) + from_next.narrow(dim, tops - k, k)], dim
+            )
+        return grad.contiguous(), None, None, None
+
+
 def halo_rows(x: torch.Tensor, plan, dg: DomainGroup, dim: int = 2) -> torch.Tensor:
     """Differentiable halo exchange of any widths: rank r gets ``plan[r] = (above, below)`` rows
     from its neighbours along ``dim`` (zeros beyond the global edges). Every rank must pass the
@@ -134,6 +228,8 @@ def halo_rows(x: torch.Tensor, plan, dg: DomainGroup, dim: int = 2) -> torch.Ten
         return x
     if dg.dry:
         dg.halos.append((tuple(map(tuple, plan)), x.shape[dim]))
+    elif torch.compiler.is_compiling():
+        return _TracedHalo.apply(x, tuple(map(tuple, plan)), dg, dim)
     return _Halo.apply(x, tuple(map(tuple, plan)), dg, dim)
 
 
@@ -168,8 +264,23 @@ class _AllReduceSum(torch.autograd.Function):
         return g, None
 
 
+class _TracedAllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dg: DomainGroup):
+        ctx.dg = dg
+        return compat.funcol().all_reduce(x, "sum", dg.group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return compat.funcol().all_reduce(g, "sum", ctx.dg.group), None
+
+
 def all_reduce_sum(x: torch.Tensor, dg: DomainGroup) -> torch.Tensor:
-    return x if dg.size == 1 else _AllReduceSum.apply(x, dg)
+    if dg.size == 1:
+        return x
+    if torch.compiler.is_compiling() and not dg.dry:
+        return _TracedAllReduceSum.apply(x, dg)
+    return _AllReduceSum.apply(x, dg)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -197,6 +308,27 @@ class _GatherRows(torch.autograd.Function):
         return g.narrow(ctx.dim, start, ctx.extents[ctx.dg.rank]).contiguous(), None, None
 
 
+class _TracedGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dg: DomainGroup, dim: int):
+        extents = dg.extents_like(x.shape[dim])
+        ctx.dg, ctx.dim, ctx.extents = dg, dim, extents
+        padded = _slab(x, dim, max(extents), last=False)  # equal sizes: pad, gather, then trim
+        whole = compat.funcol().all_gather_tensor(padded.contiguous(), dim, dg.group)
+        step = padded.shape[dim]
+        return torch.cat([whole.narrow(dim, i * step, e) for i, e in enumerate(extents)], dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = compat.funcol().all_reduce(g.contiguous(), "sum", ctx.dg.group)  # every rank used every rank's rows
+        start = sum(ctx.extents[: ctx.dg.rank])
+        return g.narrow(ctx.dim, start, ctx.extents[ctx.dg.rank]).contiguous(), None, None
+
+
 def gather_rows(x: torch.Tensor, dg: DomainGroup, dim: int = 2) -> torch.Tensor:
     """The full tensor along ``dim`` from every rank's rows (uneven extents allowed)."""
-    return x if dg.size == 1 else _GatherRows.apply(x, dg, dim)
+    if dg.size == 1:
+        return x
+    if torch.compiler.is_compiling() and not dg.dry:
+        return _TracedGatherRows.apply(x, dg, dim)
+    return _GatherRows.apply(x, dg, dim)

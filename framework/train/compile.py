@@ -18,10 +18,11 @@ a step traced on fake tensors (``framework.plan.step_flops``), so the first step
 
 Layouts: compiled before sharding (torchtitan's order). FSDP2's and DDP's hooks stay eager
 around the compiled forwards (``forward`` is replaced on the instance: hooks, parameter
-names and checkpoints are untouched). Domain layouts run eager with a one-line warning:
-their halo exchanges and GroupNorm sums are autograd functions around p2p/all-reduce calls
-that dynamo cannot trace, and the regions between them (a SiLU, an add) are not worth a
-graph each.
+names and checkpoints are untouched). Domain layouts compile too, after the splitter: inside
+a compiled block the halo exchanges, GroupNorm sums and row gathers take their functional-
+collective form (framework/domain/comm.py: one all-to-all per halo exchange, functional
+all-reduces), which dynamo traces into the block's graph without a break, with the same
+values as the eager p2p path.
 
 Only training steps (grad enabled) run compiled; validation and sampling (no_grad) run the
 eager forward, so they cost no second set of compiles.
@@ -186,14 +187,6 @@ def compile_model(
     """
     from framework.distributed.sharding import find_units
 
-    if any(hasattr(m, "_domain") for m in model.modules()):
-        msg = (
-            "trainer.compile: domain layouts run eager (halo exchanges and GroupNorm sums are p2p/"
-            "all-reduce autograd functions that dynamo cannot trace); compile is on for none, ddp, fsdp2, hsdp"
-        )
-        warnings.warn(msg, stacklevel=2)
-        log.warning(msg)
-        return Compiled(False, reason="domain layout")
     picked = find_units(model, list(units or []))
     if not picked:
         msg = "trainer.compile: the model has no repeated blocks to compile; running eager"

@@ -54,6 +54,16 @@ def test_private_apis_the_adapters_prefer_exist_on_this_torch():
     assert callable(getattr(DeviceMesh, "_flatten", None)), "DeviceMesh._flatten is gone: flatten_mesh falls back"
 
 
+def test_the_functional_collectives_compiled_domain_layouts_use_exist_on_this_torch():
+    """framework/domain/comm.py's traced halo exchange, sums and gathers (no fallback: without
+    them a compiled domain layout cannot trace its collectives)."""
+    from framework import compat
+
+    fc = compat.funcol()
+    for name in ("all_to_all_single", "all_reduce", "all_gather_tensor"):
+        assert callable(getattr(fc, name, None)), f"torch.distributed._functional_collectives.{name} is gone"
+
+
 def test_timeout_of_the_group_process_group_made(monkeypatch):
     """In this process: one gloo rank, the timeout we gave, read back two ways."""
     from framework.distributed import env as env_mod

@@ -150,15 +150,6 @@ def test_validation_runs_eager_and_names_are_unchanged():
     assert counters["frames"]["ok"] == 0
 
 
-def test_domain_layouts_fall_back_to_eager_with_one_warning():
-    model = _model()
-    model.enc["16_block0"].conv0._domain = object()  # what the domain splitter leaves on split layers
-    with pytest.warns(UserWarning, match="domain layouts run eager"):
-        c = compile_model(model, device_type="cpu", backend="eager")
-    assert not c.enabled
-    assert not any(isinstance(getattr(b, "forward", None), RegionForward) for b in model.modules())
-
-
 def _layout(rank, world, sharding, backend):
     from framework.config.schema import ParallelConfig, PrecisionConfig, ShardingConfig
     from framework.distributed import mesh, precision
@@ -183,6 +174,50 @@ def _layout(rank, world, sharding, backend):
         t = torch.tensor([ll / world])
         torch.distributed.all_reduce(t)
         assert abs(t.item() - lr) <= 1e-5 * lr, (step, t.item(), lr)
+
+
+def _domain_layout(rank, world, sharding, extents):
+    """The SongUNet split over the rows of each sample (2 domain ranks, uneven bands), its blocks
+    compiled with the halo exchanges, GroupNorm sums and attention gathers inside their graphs,
+    then DDP or FSDP2 over the domain ranks, as parallel=domain / fsdp2_domain build it."""
+    from framework.config.schema import ParallelConfig, PrecisionConfig, ShardingConfig
+    from framework.distributed import mesh, precision
+    from framework.distributed import sharding as policies
+    from framework.domain.comm import DomainGroup
+    from framework.domain.splitter import split
+    from recipes.stormcast.parallelize import PLAN
+
+    torch._dynamo.reset()
+    batches = _batches(2, batch=2)
+    ref_losses = _train(_model(), batches)
+    topo = mesh.build(mesh.resolve(ParallelConfig(dp_shard=1, domain=world), world), "cpu")
+    dg = DomainGroup(topo.group("domain"), extents)
+    model = split(_model(), dg, PLAN)
+    c = compile_model(model, device_type="cpu", backend="aot_eager")
+    prec = precision.build(PrecisionConfig(name="fp32"), torch.device("cpu"))
+    sharded = policies.__dict__[sharding](
+        model, ShardingConfig(name=sharding), topology=topo, precision=prec, device=torch.device("cpu")
+    )
+    rows = slice(sum(extents[:rank]), sum(extents[: rank + 1]))
+    share = world * extents[rank] / sum(extents)  # the task's weight: the gradient average becomes the sum
+    opt = torch.optim.Adam(sharded.model.parameters(), lr=1e-3)
+    for step, (x, y) in enumerate(batches):
+        loss = torch.nn.functional.mse_loss(sharded.model(x[:, :, rows]), y[:, :, rows]) * share
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach() / world
+        torch.distributed.all_reduce(total)
+        assert abs(total.item() - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, total.item(), ref_losses)
+    s = c.stats()
+    assert c.enabled and s["graphs"] > 0 and s["graph_breaks"] == 0, s
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_compiled_domain_layouts_train_like_one_eager_process(sharding):
+    """trainer.compile on parallel=domain (DDP) and fsdp2_domain: one graph per block signature,
+    no graph break, the losses of one eager process."""
+    spawn(_domain_layout, 2, sharding, [10, 6], timeout_s=240)
 
 
 @pytest.mark.parametrize("sharding,backend", [("fsdp2", "aot_eager"), ("ddp", "eager")])

@@ -178,6 +178,34 @@ def test_split_dit_matches_the_whole_one_on_2_and_4_ranks():
     spawn(_on_ranks, 4)
 
 
+def _compiled(rank, world):
+    """trainer.compile on the split DiT: the blocks' halo exchanges (of other widths per band, as
+    the clamped windows ask) in their graphs, no graph break, the whole model's values."""
+    from framework.train.compile import compile_model
+
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    stats = []
+
+    def split_compiled(model, dg):
+        torch._dynamo.reset()
+        model = split(model, dg)
+        stats.append(compile_model(model, device_type="cpu", backend="aot_eager"))
+        return model
+
+    kw = dict(num_heads=2, attn_kernel=5, pos_embed="learned", num_scalar_conditions=2)
+    model = randomize(_dit(**kw), seed=3, std=0.2)
+    x, args = _inputs(kw, seed=13)
+    dg = DomainGroup(dist.group.WORLD, SPLITS[2]["thin first band"])
+    compare_split("compiled DiT, thin first band", model, dg, x, split_fn=split_compiled, args=args, seed=3)
+    s = stats[0].stats()
+    assert stats[0].enabled and s["graphs"] > 0 and s["graph_breaks"] == 0, s
+
+
+def test_compiled_split_dit_matches_the_whole_one():
+    spawn(_compiled, 2)
+
+
 # ------------------------------------------------------------------ conversion (no communication)
 
 
