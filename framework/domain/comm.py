@@ -314,9 +314,9 @@ class _TracedGatherRows(torch.autograd.Function):
         extents = dg.extents_like(x.shape[dim])
         ctx.dg, ctx.dim, ctx.extents = dg, dim, extents
         padded = _slab(x, dim, max(extents), last=False)  # equal sizes: pad, gather, then trim
-        whole = compat.funcol().all_gather_tensor(padded.contiguous(), dim, dg.group)
-        step = padded.shape[dim]
-        return torch.cat([whole.narrow(dim, i * step, e) for i, e in enumerate(extents)], dim)
+        # gathered along a new dim 0 (torch 2.11's funcol re-chunks other dims in code dynamo skips)
+        whole = compat.funcol().all_gather_tensor(padded.contiguous().unsqueeze(0), 0, dg.group)
+        return torch.cat([whole[i].narrow(dim, 0, e) for i, e in enumerate(extents)], dim)
 
     @staticmethod
     def backward(ctx, g):

@@ -7,10 +7,10 @@ original forward still does the work on halo-extended local rows.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
-from framework.domain.comm import DomainGroup, all_reduce_sum, gather_rows, halo_exchange
+from framework.domain.comm import DomainGroup, gather_rows, halo_exchange
+from framework.domain.group_norm import split_group_norm
 
 
 class HaloMixin:
@@ -32,29 +32,15 @@ class HaloMixin:
 
 
 class GroupNormMixin:
-    """GroupNorm whose statistics are summed over the domain group (two passes, >= fp32).
-
-    Two small all-reduces per call, but no extra full-size tensor kept for backward
-    (measured faster and leaner on H200 than exchanging per-rank mean/variance).
-    Needs ``num_groups``, ``eps``, ``weight``, ``bias`` (as torch's GroupNorm has).
-    """
+    """GroupNorm whose statistics span the domain group: one all-gather of the bands' per-group
+    statistics forward, one all-reduce backward (framework/domain/group_norm.py), and only the
+    input kept for backward. Needs ``num_groups``, ``eps``, ``weight``, ``bias`` (as torch's
+    GroupNorm has)."""
 
     _domain: DomainGroup
 
     def forward(self, x):
-        dg = self._domain
-        b, c = x.shape[:2]
-        g = self.num_groups
-        rows = sum(dg.extents_like(x.shape[2]))
-        count = (c // g) * rows * x.shape[3]
-        xf = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(b, g, -1)
-        mean = all_reduce_sum(xf.sum(-1), dg) / count
-        d = xf - mean[..., None]
-        var = all_reduce_sum((d * d).sum(-1), dg) / count
-        y = (d * torch.rsqrt(var + self.eps)[..., None]).reshape(x.shape).to(x.dtype)
-        w = self.weight.to(x.dtype).reshape(1, -1, 1, 1) if self.weight is not None else 1
-        bias = self.bias.to(x.dtype).reshape(1, -1, 1, 1) if self.bias is not None else 0
-        return y * w + bias
+        return split_group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self._domain)
 
 
 class RowSliceMixin:

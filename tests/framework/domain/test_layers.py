@@ -144,3 +144,38 @@ def test_group_norm_mixin_keeps_float64_precision():
     x = torch.randn(B, 8, H, W, dtype=torch.float64) * 3 + 300  # raw physical units (e.g. kelvin)
     torch.testing.assert_close(dom(x), ref(x), rtol=1e-10, atol=1e-10)
     assert dom(x).dtype == torch.float64
+
+
+def _group_norm_traffic(rank, world):
+    """One collective forward and one backward per split GroupNorm, and only the input (plus the
+    per-group statistics) kept for backward: what torch's own GroupNorm keeps."""
+    import torch.distributed as dist
+
+    from framework.domain import group_norm
+
+    calls = []
+    real = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_reduce")}
+    for name, fn in real.items():
+        setattr(group_norm.dist, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
+    try:
+        extents = [11, 5]
+        dg = DomainGroup(dist.group.WORLD, extents)
+        norm = randomize(nn.GroupNorm(4, 16, eps=1e-6), seed=1)
+        swap_class(norm, GroupNormMixin, dg)
+        x = torch.randn(B, 16, extents[rank], W, dtype=torch.bfloat16, requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+            y = norm(x)
+        assert calls == ["all_gather_into_tensor"], calls
+        assert y.dtype == torch.bfloat16
+        kept = sum(t.numel() * t.element_size() for t in saved if t is not norm.weight)
+        assert kept <= x.numel() * x.element_size() + 2 * B * 4 * 4, (kept, [tuple(t.shape) for t in saved])
+        y.float().square().sum().backward()
+        assert calls == ["all_gather_into_tensor", "all_reduce"], calls
+    finally:
+        for name, fn in real.items():
+            setattr(group_norm.dist, name, fn)
+
+
+def test_split_group_norm_makes_one_collective_each_way_and_keeps_only_its_input():
+    spawn(_group_norm_traffic, 2)
