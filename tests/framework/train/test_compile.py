@@ -1,9 +1,10 @@
 """trainer.compile: regional compilation (framework.train.compile) on CPU.
 
-The equality tests compile with backend="aot_eager" (dynamo + AOTAutograd, the same graphs
-and guards, no inductor code generation): inductor's CPU backend builds C++ for each of the
-tiny SongUNet's graphs and takes minutes on two cores. Inductor itself is tested on the GPU
-(tests/recipes/stormcast/test_gpu.py). The graph-break and recompile test uses
+Most equality tests compile with backend="aot_eager" (dynamo + AOTAutograd, the same graphs
+and guards, no inductor code generation): inductor's CPU backend builds C++ for each graph,
+about 100 s for the tiny recipe on two cores, so one test (the tiny recipe through the CLI,
+20 steps) runs inductor itself; on GPUs it is tests/recipes/stormcast/test_gpu.py and
+tests/framework/distributed/test_gpu.py. The graph-break and recompile test uses
 backend="eager" (dynamo only), which is what decides both counts.
 """
 
@@ -226,3 +227,33 @@ def test_compiled_layouts_train_like_one_eager_process(sharding, backend):
     (its unsharded parameters are graph inputs whose storage it frees and refills); DDP with
     dynamo alone, as its gradient hooks sit on the parameters either way (and CI time is short)."""
     spawn(_layout, 2, sharding, backend, timeout_s=240)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_tiny_recipe_compiled_with_inductor_trains_like_eager(tmp_path):
+    """trainer.compile=true through the CLI with inductor's CPU backend (C++ kernels; about 100 s
+    to compile on 2 cores): fp32, 20 steps, the eager losses within 1e-5, no graph break."""
+    from framework.logging.jsonl import read
+    from scripts.loss_compare import compare
+    from tests.conftest import run_cli
+
+    common = [
+        "deterministic=true",
+        "trainer.max_steps=20",
+        "trainer.log_every=1",
+        "trainer.val_every=0",
+        "trainer.figures=false",
+        "trainer.progress=false",
+        "checkpoint=none",
+        f"data.root={tmp_path / 'data'}",
+    ]
+    runs = {}
+    for mode in ("false", "true"):
+        run = tmp_path / f"compile_{mode}"
+        proc = run_cli([*common, f"trainer.compile={mode}", f"hydra.run.dir={run}"], tmp_path, timeout=500)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = [r["loss"] for r in read(run / "metrics.jsonl", "train")]
+    assert len(runs["true"]) == 20 and compare(runs["false"], runs["true"]) <= 1e-5, runs
+    log = (tmp_path / "compile_true" / "framework.log").read_text()
+    assert "backend=inductor" in log and " 0 graph breaks" in log, log[-2000:]
