@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from recipes.stormscope import natten
-from recipes.stormscope.natten import IMPLS, check_kernel, neighbourhood_attention
+from recipes.stormscope.natten import IMPLS, check_kernel, neighbourhood_attention, shared_masks
 
 POS_EMBEDS = ("learned", "rope", "none")
 
@@ -377,11 +377,12 @@ class DiT(nn.Module):
         if self.pos_embed is not None:
             tokens = self.pos_embed(tokens)
         c = self.t_embed(noise_labels, scalar_conditions)
-        for blk in self.blocks:
-            if self.checkpoint_blocks and torch.is_grad_enabled():
-                tokens = checkpoint(blk, tokens, c, invalid, use_reentrant=False)
-            else:
-                tokens = blk(tokens, c, invalid)
+        with shared_masks():  # every block's reference attention has the same geometry
+            for blk in self.blocks:
+                if self.checkpoint_blocks and torch.is_grad_enabled():
+                    tokens = checkpoint(blk, tokens, c, invalid, use_reentrant=False)
+                else:
+                    tokens = blk(tokens, c, invalid)
         return unpatchify(self.final(tokens, c), self.patch_size, self.out_channels)
 
 

@@ -17,13 +17,17 @@ Implementations, all equal to :func:`dense_neighbourhood_attention` to float tol
 * ``"flex"``: ``flex_attention`` with a block mask, so only the blocks a window touches
   are computed (compiled on CUDA; CPU runs eager flex, forward only in torch 2.13).
 * ``"reference"``: query rows in chunks, each against only the key rows its windows can
-  reach, through ``scaled_dot_product_attention`` with a small boolean mask. Memory is
-  O(chunk * W * (chunk + kernel) * W) instead of O((H * W) ** 2).
+  reach, through ``scaled_dot_product_attention`` with a small additive mask. Memory is
+  O(chunk * W * (chunk + kernel) * W) instead of O((H * W) ** 2). Inside
+  :func:`shared_masks` (a DiT's forward) every layer reuses the masks of the first: the same
+  geometry, made and kept for backward once per forward instead of once per layer.
 * ``"auto"``: flex on CUDA (head_dim >= 16, which its Triton kernels need), else reference.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import warnings
 
@@ -133,6 +137,34 @@ def dense_neighbourhood_attention(
     return out.reshape(b, h, hq, w, d)
 
 
+_MASKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("natten_masks", default=None)
+
+
+@contextlib.contextmanager
+def shared_masks():
+    """Within: reference attention calls share each chunk geometry's mask (one per forward)."""
+    token = _MASKS.set({})
+    try:
+        yield
+    finally:
+        _MASKS.reset(token)
+
+
+def _chunk_mask(g0: int, g1: int, lo: int, hi: int, w: int, kernel: int, grid_rows: int, like: torch.Tensor):
+    """The additive (0 / -inf) mask of query rows [g0, g1) over key rows [lo, hi), in the dtype SDPA
+    computes in (autocast's, where on: a mask in another dtype would be cast, a copy per call)."""
+    dtype = torch.get_autocast_dtype(like.device.type) if torch.is_autocast_enabled(like.device.type) else like.dtype
+    cache = None if torch.compiler.is_compiling() else _MASKS.get()
+    key = (g0, g1, lo, hi, w, kernel, grid_rows, dtype, like.device)
+    if cache is not None and key in cache:
+        return cache[key]
+    allowed = _grid_mask(torch.arange(g0, g1), torch.arange(lo, hi), w, kernel, grid_rows, like.device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
+    if cache is not None:
+        cache[key] = mask
+    return mask
+
+
 def reference_neighbourhood_attention(
     q,
     k,
@@ -161,7 +193,7 @@ def reference_neighbourhood_attention(
         r1 = r0 + qc.shape[2]
         g0, g1 = q_row_offset + r0, q_row_offset + r1
         lo, hi = kv_rows_needed(g0, g1, kernel, grid_rows)
-        mask = _grid_mask(torch.arange(g0, g1), torch.arange(lo, hi), w, kernel, grid_rows, q.device)
+        mask = _chunk_mask(g0, g1, lo, hi, w, kernel, grid_rows, q)
         ks = k[:, :, lo - kv_row_offset : hi - kv_row_offset].reshape(b, h, (hi - lo) * w, d)
         vs = v[:, :, lo - kv_row_offset : hi - kv_row_offset].reshape(b, h, (hi - lo) * w, d)
         o = F.scaled_dot_product_attention(qc.reshape(b, h, (r1 - r0) * w, d), ks, vs, attn_mask=mask)

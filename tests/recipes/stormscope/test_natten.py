@@ -301,3 +301,25 @@ def test_flex_cuda_band_with_halo_equals_rows_of_full():
             q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], 7, impl="flex", q_row_offset=a, kv_row_offset=lo, grid_rows=23
         )
         torch.testing.assert_close(out, full[:, :, a:b], atol=1e-4, rtol=1e-4)
+
+
+def test_calls_inside_shared_masks_reuse_one_mask_per_chunk_geometry(monkeypatch):
+    """A DiT's forward (natten.shared_masks) makes each chunk's mask once for all its layers, and
+    keeps it for backward once; the values are those of separate masks."""
+    made = []
+    grid_mask = natten._grid_mask
+    monkeypatch.setattr(natten, "_grid_mask", lambda *a: (made.append(a), grid_mask(*a))[1])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    alone = natten.reference_neighbourhood_attention(q, k, v, 5)
+    per_call = len(made)
+    assert per_call > 1  # several chunks
+    with natten.shared_masks():
+        first = natten.reference_neighbourhood_attention(q, k, v, 5)
+        second = natten.reference_neighbourhood_attention(q, k, v, 5)
+    assert len(made) == 2 * per_call  # the second layer made none
+    assert torch.equal(first, alone) and torch.equal(second, alone)
+    (first + second).sum().backward()  # the shared masks serve both backwards
+    with natten.shared_masks():
+        natten.reference_neighbourhood_attention(q, k, v, 5)
+    assert len(made) == 3 * per_call  # a new forward, new masks
