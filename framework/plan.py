@@ -215,8 +215,8 @@ def compute_path(run, layout: Layout | None, device: str) -> str:
     casts = "autocast"
     if run.precision.name not in ("bf16", "fp16"):
         casts = "fp32"
-    elif run.precision.name == "bf16" and layout is not None and layout.shards > 1:
-        casts = "params"
+    elif run.precision.name == "bf16" and layout is not None and layout.sharding in ("fsdp2", "hsdp"):
+        casts = "params"  # fully_shard's MixedPrecisionPolicy, also on a replicate-only HSDP mesh
     return f"{casts}@{device}"
 
 
