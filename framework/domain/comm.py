@@ -246,89 +246,65 @@ def halo_exchange(x: torch.Tensor, halo: int, dg: DomainGroup, dim: int = 2) -> 
     return halo_rows(x, ((halo, halo),) * dg.size, dg, dim)
 
 
+# -- sums and gathers: plain collectives (also inside other autograd functions), then differentiable
+def summed(t: torch.Tensor, dg: DomainGroup, functional: bool) -> torch.Tensor:
+    """A new tensor: ``t`` summed over the domain group (a dry group or one rank: a copy of ``t``).
+    ``functional``: the traced form (a step under torch.compile). Not differentiable."""
+    if dg.dry or dg.size == 1:
+        return t.clone()
+    if functional:
+        return compat.funcol().all_reduce(t, "sum", dg.group)
+    out = t.clone()
+    dist.all_reduce(out, group=dg.group)
+    return out
+
+
+def gathered(t: torch.Tensor, dg: DomainGroup, functional: bool) -> torch.Tensor:
+    """(size, *t.shape): every rank's ``t`` (equal shapes; a dry group: zeros for the others).
+    Gathered along a new dim 0: torch 2.11's functional all-gather re-chunks any other dim in code
+    dynamo will not trace. Not differentiable."""
+    if dg.dry or dg.size == 1:
+        return torch.stack([t if r == dg.rank else torch.zeros_like(t) for r in range(dg.size)])
+    if functional:
+        return compat.funcol().all_gather_tensor(t.contiguous().unsqueeze(0), 0, dg.group)
+    out = t.new_empty(dg.size, *t.shape)
+    dist.all_gather_into_tensor(out, t.contiguous().unsqueeze(0), group=dg.group)
+    return out
+
+
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dg: DomainGroup):
-        ctx.dg = dg
-        out = x.clone()
-        if not dg.dry:
-            dist.all_reduce(out, group=dg.group)
-        return out
+        # decided here for both passes: torch 2.11 traces a compiled backward outside is_compiling()
+        ctx.dg, ctx.functional = dg, torch.compiler.is_compiling()
+        return summed(x, dg, ctx.functional)
 
     @staticmethod
     def backward(ctx, g):
         # every rank's output is the sum: d(sum)/dx_r collects every rank's gradient
-        g = g.clone()
-        if not ctx.dg.dry:
-            dist.all_reduce(g, group=ctx.dg.group)
-        return g, None
-
-
-class _TracedAllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dg: DomainGroup):
-        ctx.dg = dg
-        return compat.funcol().all_reduce(x, "sum", dg.group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return compat.funcol().all_reduce(g, "sum", ctx.dg.group), None
+        return summed(g, ctx.dg, ctx.functional), None
 
 
 def all_reduce_sum(x: torch.Tensor, dg: DomainGroup) -> torch.Tensor:
-    if dg.size == 1:
-        return x
-    if torch.compiler.is_compiling() and not dg.dry:
-        return _TracedAllReduceSum.apply(x, dg)
-    return _AllReduceSum.apply(x, dg)
+    return x if dg.size == 1 else _AllReduceSum.apply(x, dg)
 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dg: DomainGroup, dim: int):
         extents = dg.extents_like(x.shape[dim])
-        ctx.dg, ctx.dim, ctx.extents = dg, dim, extents
-        biggest = max(extents)
-        pad_shape = list(x.shape)
-        pad_shape[dim] = biggest - x.shape[dim]
-        padded = torch.cat([x, x.new_zeros(pad_shape)], dim) if pad_shape[dim] else x.contiguous()
-        if dg.dry:
-            parts = [padded if r == dg.rank else torch.zeros_like(padded) for r in range(dg.size)]
-        else:
-            parts = [torch.empty_like(padded) for _ in range(dg.size)]
-            dist.all_gather(parts, padded, group=dg.group)  # gloo needs equal sizes: pad, then trim
-        return torch.cat([p.narrow(dim, 0, e) for p, e in zip(parts, extents)], dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        if not ctx.dg.dry:
-            dist.all_reduce(g, group=ctx.dg.group)  # every rank used every rank's rows
-        start = sum(ctx.extents[: ctx.dg.rank])
-        return g.narrow(ctx.dim, start, ctx.extents[ctx.dg.rank]).contiguous(), None, None
-
-
-class _TracedGatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dg: DomainGroup, dim: int):
-        extents = dg.extents_like(x.shape[dim])
-        ctx.dg, ctx.dim, ctx.extents = dg, dim, extents
+        ctx.dg, ctx.dim, ctx.extents, ctx.functional = dg, dim, extents, torch.compiler.is_compiling()
         padded = _slab(x, dim, max(extents), last=False)  # equal sizes: pad, gather, then trim
-        # gathered along a new dim 0 (torch 2.11's funcol re-chunks other dims in code dynamo skips)
-        whole = compat.funcol().all_gather_tensor(padded.contiguous().unsqueeze(0), 0, dg.group)
-        return torch.cat([whole[i].narrow(dim, 0, e) for i, e in enumerate(extents)], dim)
+        whole = gathered(padded, dg, ctx.functional)
+        return torch.cat([whole[r].narrow(dim, 0, e) for r, e in enumerate(extents)], dim)
 
     @staticmethod
     def backward(ctx, g):
-        g = compat.funcol().all_reduce(g.contiguous(), "sum", ctx.dg.group)  # every rank used every rank's rows
+        g = summed(g.contiguous(), ctx.dg, ctx.functional)  # every rank used every rank's rows
         start = sum(ctx.extents[: ctx.dg.rank])
         return g.narrow(ctx.dim, start, ctx.extents[ctx.dg.rank]).contiguous(), None, None
 
 
 def gather_rows(x: torch.Tensor, dg: DomainGroup, dim: int = 2) -> torch.Tensor:
     """The full tensor along ``dim`` from every rank's rows (uneven extents allowed)."""
-    if dg.size == 1:
-        return x
-    if torch.compiler.is_compiling() and not dg.dry:
-        return _TracedGatherRows.apply(x, dg, dim)
-    return _GatherRows.apply(x, dg, dim)
+    return x if dg.size == 1 else _GatherRows.apply(x, dg, dim)

@@ -10,38 +10,15 @@ per-group mean and 1/std for backward, as torch's own GroupNorm does; the weight
 gradients are local sums (the data-parallel reduction adds the bands up).
 
 Statistics are computed in at least float32 (float64 stays float64); the output has the input's
-dtype. Under torch.compile the collectives are functional (``compat.funcol``), traced into the
-graph; eagerly they are torch.distributed's.
+dtype. The collectives are framework/domain/comm.py's ``gathered`` and ``summed``: functional
+under torch.compile (traced into the graph), torch.distributed's eagerly.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from framework import compat
-from framework.domain.comm import DomainGroup
-
-
-def _gather(t: torch.Tensor, dg: DomainGroup, functional: bool) -> torch.Tensor:
-    """(size, *t.shape): every rank's ``t``."""
-    if dg.dry or dg.size == 1:  # a planned rank: the others' statistics are its own (shapes count)
-        return t.unsqueeze(0).expand(dg.size, *t.shape)
-    if functional:
-        return compat.funcol().all_gather_tensor(t.contiguous().unsqueeze(0), 0, dg.group)
-    out = t.new_empty(dg.size * t.shape[0], *t.shape[1:])  # concatenated along dim 0 (gloo and NCCL)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=dg.group)
-    return out.view(dg.size, *t.shape)
-
-
-def _sum(t: torch.Tensor, dg: DomainGroup, functional: bool) -> torch.Tensor:
-    if dg.dry or dg.size == 1:
-        return t
-    if functional:
-        return compat.funcol().all_reduce(t, "sum", dg.group)
-    t = t.clone()
-    dist.all_reduce(t, group=dg.group)
-    return t
+from framework.domain.comm import DomainGroup, gathered, summed
 
 
 class _SplitGroupNorm(torch.autograd.Function):
@@ -52,22 +29,24 @@ class _SplitGroupNorm(torch.autograd.Function):
         xg = x.reshape(b, groups, -1).to(acc)
         # every rank's element count per group, from the bands' rows (the same on every rank); plain
         # numbers, not tensors kept on ctx (which torch 2.11's compiled backward mishandles)
-        sizes = [(c // groups) * r * x[0, 0].numel() // x.shape[2] for r in dg.extents_like(x.shape[2])]
+        per_row = (c // groups) * x[0, 0].numel() // x.shape[2]  # a group's elements in one row
+        sizes = [per_row * rows for rows in dg.extents_like(x.shape[2])]
         counts = torch.tensor(sizes, dtype=acc, device=x.device).reshape(-1, 1, 1)
         local_mean = xg.mean(-1)
         local_m2 = (xg - local_mean[..., None]).square().sum(-1)
         ctx.functional = torch.compiler.is_compiling()  # the same collectives in both passes
-        stats = _gather(torch.stack([local_mean, local_m2]), dg, ctx.functional)  # (size, 2, B, G)
+        stats = gathered(torch.stack([local_mean, local_m2]), dg, ctx.functional)  # (size, 2, B, G)
         means, m2s = stats[:, 0], stats[:, 1]
         total = float(sum(sizes))
         mean = (counts * means).sum(0) / total
         var = (m2s.sum(0) + (counts * (means - mean).square()).sum(0)) / total
         rstd = torch.rsqrt(var + eps)
         y = ((xg - mean[..., None]) * rstd[..., None]).reshape(x.shape)
+        channels = (1, -1, *[1] * (x.dim() - 2))
         if weight is not None:
-            y = y * weight.to(acc).reshape(1, -1, *[1] * (x.dim() - 2))
+            y = y * weight.to(acc).reshape(channels)
         if bias is not None:
-            y = y + bias.to(acc).reshape(1, -1, *[1] * (x.dim() - 2))
+            y = y + bias.to(acc).reshape(channels)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.groups, ctx.dg, ctx.total = groups, dg, total
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -86,7 +65,7 @@ class _SplitGroupNorm(torch.autograd.Function):
         dy = dy.to(acc)
         g = dy * weight.to(acc).reshape(shape) if weight is not None else dy
         gg, xg = g.reshape(b, groups, -1), x_hat.reshape(b, groups, -1)
-        sums = _sum(torch.stack([gg.sum(-1), (gg * xg).sum(-1)]), dg, ctx.functional)  # (2, B, G): whole group
+        sums = summed(torch.stack([gg.sum(-1), (gg * xg).sum(-1)]), dg, ctx.functional)  # (2, B, G): whole group
         dx = rstd[..., None] * (gg - sums[0][..., None] / ctx.total - xg * sums[1][..., None] / ctx.total)
         reduce = [0, *range(2, x.dim())]
         dw = (dy * x_hat).sum(reduce).to(weight.dtype) if weight is not None else None

@@ -151,12 +151,10 @@ def _group_norm_traffic(rank, world):
     per-group statistics) kept for backward: what torch's own GroupNorm keeps."""
     import torch.distributed as dist
 
-    from framework.domain import group_norm
-
     calls = []
     real = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_reduce")}
     for name, fn in real.items():
-        setattr(group_norm.dist, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
+        setattr(dist, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
     try:
         extents = [11, 5]
         dg = DomainGroup(dist.group.WORLD, extents)
@@ -174,7 +172,7 @@ def _group_norm_traffic(rank, world):
         assert calls == ["all_gather_into_tensor", "all_reduce"], calls
     finally:
         for name, fn in real.items():
-            setattr(group_norm.dist, name, fn)
+            setattr(dist, name, fn)
 
 
 def test_split_group_norm_makes_one_collective_each_way_and_keeps_only_its_input():
