@@ -208,8 +208,8 @@ def target_device(run) -> str:
     return "cuda"
 
 
-def compute_path(run, layout: Layout | None, device: str) -> str:
-    """How the traced step computes, ``<casts>@<device>``: casts ``fp32`` (no autocast), ``params``
+def compute_path(run, layout: Layout | None, device: str) -> tuple[str, str]:
+    """How the traced step computes, (casts, device): casts ``fp32`` (no autocast), ``params``
     (FSDP2's bf16 MixedPrecisionPolicy: bf16 parameters and inputs, no autocast:
     framework/distributed/sharding.py) or ``autocast``; the device's kernels and autocast rules."""
     casts = "autocast"
@@ -217,7 +217,7 @@ def compute_path(run, layout: Layout | None, device: str) -> str:
         casts = "fp32"
     elif run.precision.name == "bf16" and layout is not None and layout.sharding in ("fsdp2", "hsdp"):
         casts = "params"  # fully_shard's MixedPrecisionPolicy, also on a replicate-only HSDP mesh
-    return f"{casts}@{device}"
+    return casts, device
 
 
 def _local_world() -> int | None:
@@ -269,7 +269,7 @@ class _Traced:
     note: str  # why activations are unknown
 
 
-def _trace(run, bands: list[int], micro: int, path: str) -> _Traced:
+def _trace(run, bands: list[int], micro: int, path: tuple[str, str]) -> _Traced:
     from framework.distributed.env import DistEnv
     from framework.distributed.sharding import find_units
     from framework.domain.comm import DomainGroup
@@ -284,9 +284,9 @@ def _trace(run, bands: list[int], micro: int, path: str) -> _Traced:
             split(model, dg, model_plan(run.model.name, len(bands)))
         shapes = [(n, p.shape, p.dtype) for n, p in model.named_parameters()]  # as every rank stores them
         for p in model.parameters():
-            if p.requires_grad and not path.startswith("params"):  # held before the step: gradients, not activations
+            if p.requires_grad and path[0] != "params":  # held before the step: gradients, not activations
                 p.grad = torch.zeros_like(p)
-        if path.startswith("params"):  # FSDP2 computes with gathered bf16 copies and reduce-scatters their grads
+        if path[0] == "params":  # FSDP2 computes with gathered bf16 copies and reduce-scatters their grads
             for p in model.parameters():
                 p.data = p.data.to(torch.bfloat16)
                 if p.requires_grad:  # the unit's reduce-scatter frees the bf16 gradient (comm counts it)
@@ -328,7 +328,7 @@ def _trace(run, bands: list[int], micro: int, path: str) -> _Traced:
     return _Traced(params, buffers, units, activations, sample_bytes, flops, source, halos, note)
 
 
-def _step(run, task, model, batch, fake, device, path: str) -> tuple[int, int]:
+def _step(run, task, model, batch, fake, device, path: tuple[str, str]) -> tuple[int, int]:
     """(peak bytes allocated and held, FLOPs) of one forward + backward, as the trainer runs it."""
     import contextlib
 
@@ -338,7 +338,7 @@ def _step(run, task, model, batch, fake, device, path: str) -> tuple[int, int]:
     batch["step"] = 0
     precision = precision_mod.build(run.precision, device)
     casts: Any = contextlib.nullcontext()
-    casts_by, device_rules = path.split("@")
+    casts_by, device_rules = path
     if casts_by == "params":
         precision.sharded_cast = True
         model.register_forward_pre_hook(_bf16_inputs)
@@ -397,7 +397,7 @@ def _optimizer_bytes(run, shapes: tuple[tuple[tuple[int, ...], torch.dtype, bool
 _TRACES: dict[tuple, _Traced] = {}  # by (config, bands, micro-batch): layouts and sweep jobs share them
 
 
-def _traced(run, bands: list[int], micro: int, path: str) -> _Traced:
+def _traced(run, bands: list[int], micro: int, path: tuple[str, str]) -> _Traced:
     from omegaconf import OmegaConf
 
     cfg = cast(dict, OmegaConf.to_container(run.raw))

@@ -194,9 +194,9 @@ def test_bf16_plans_follow_the_casts_of_the_planned_device():
     cpu, cuda, full = acts(run, 1, "cpu"), acts(run, 1, "cuda"), acts(fp32, 1, "cuda")
     assert cpu < cuda < full, (cpu, cuda, full)
     fsdp2 = plan.configured(_run("precision=bf16", "model.dropout=0", "parallel=fsdp2"), 2)
-    assert plan.compute_path(run, fsdp2, "cuda") == "params@cuda"
-    assert plan.compute_path(run, plan.configured(run, 1), "cuda") == "autocast@cuda"
-    assert plan.compute_path(fp32, fsdp2, "cpu") == "fp32@cpu"
+    assert plan.compute_path(run, fsdp2, "cuda") == ("params", "cuda")
+    assert plan.compute_path(run, plan.configured(run, 1), "cuda") == ("autocast", "cuda")
+    assert plan.compute_path(fp32, fsdp2, "cpu") == ("fp32", "cpu")
     # half the samples per rank, all in bf16: about half the one-process CPU (bf16) trace
     assert 0.4 * cpu < acts(run, 2, "cuda", fsdp2) < 0.6 * cpu
 
