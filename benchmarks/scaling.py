@@ -78,13 +78,17 @@ def _local_bytes(tensors) -> int:
 
 
 def _variant(text: str) -> dict:
-    """``key=value,...`` -> compile_model keyword arguments (ints/bools/None parsed)."""
-    out = {}
+    """``key=value,...`` -> compile_model keyword arguments (ints/bools/None parsed); ``opt.NAME=v``
+    is inductor option NAME (e.g. ``opt.triton.autotune_pointwise=0``), ``gn=aten|channel`` the
+    compiled GroupNorm's form."""
+    out: dict = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         k, _, v = item.partition("=")
-        out[k] = {"none": None, "true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
-        if k in ("channels_last", "cudnn_benchmark") and isinstance(out[k], int):
-            out[k] = bool(out[k])
+        val = {"none": None, "true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+        if k.startswith("opt."):
+            out.setdefault("options", {})[k[4:]] = bool(val) if val in (0, 1) and isinstance(val, int) else val
+            continue
+        out[k] = bool(val) if k in ("channels_last", "cudnn_benchmark", "dynamic") and isinstance(val, int) else val
     return out
 
 
@@ -102,6 +106,24 @@ _KERNEL_KINDS = (  # first match wins
 )
 
 
+def _copy_origins(prof, steps: int) -> list:
+    """Where the copy kernels (aten's direct_copy: casts, .contiguous(), layout changes) come
+    from: each one's chain of enclosing CPU ops (innermost first) with its input shapes."""
+    origins: dict[str, list] = {}
+    for ev in prof.events():
+        copies = [k for k in ev.kernels if "copy" in k.name and "triton" not in k.name]
+        if not copies or any(c.kernels for c in ev.cpu_children):  # count each at its innermost op
+            continue
+        chain, parent = [f"{ev.name}{list(ev.input_shapes)[:2] if ev.input_shapes else ''}"], ev.cpu_parent
+        while parent is not None and len(chain) < 5:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        slot = origins.setdefault(" < ".join(chain)[:230], [0.0, 0])
+        slot[0] += sum(k.duration for k in copies) / 1e3 / steps
+        slot[1] += len(copies)
+    return sorted(origins.items(), key=lambda kv: -kv[1][0])
+
+
 def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
     """Kernel time of ``steps`` training steps by kind, and the top kernels (torch.profiler)."""
     import torch
@@ -109,7 +131,7 @@ def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
 
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(steps):
             t.train_step(batch)
         torch.cuda.synchronize(device)
@@ -126,6 +148,11 @@ def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
     lines += [f"  {k:<28} {v:8.1f} ms  {100 * v / busy:5.1f}%" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
     lines += ["top kernels (ms/step, calls/step):"]
     lines += [f"  {per(e):8.2f} {e.count // steps:5d}  {e.key[:150]}" for e in top]
+    lines += ["copy kernels by the CPU ops that launched them (ms/step, calls/step):"]
+    try:  # a diagnosis only: a profiler API difference must not lose the table above
+        lines += [f"  {ms:8.2f} {n // steps:5d}  {chain}" for chain, (ms, n) in _copy_origins(prof, steps)[:10]]
+    except Exception as e:  # noqa: BLE001
+        lines.append(f"  (not available: {e!r})")
     text = "\n".join(lines)
     mode = "compiled" if args.compile else "eager"
     tag = f"{args.model}_{args.sharding}_{mode}{'_' + args.variant if args.variant else ''}"
@@ -181,8 +208,11 @@ def worker(args) -> None:
             torch.backends.cudnn.benchmark = True
         if args.compile:
             from framework.train.compile import compile_model
+            from recipes.stormcast.layers import GroupNorm
 
-            compiled = compile_model(model, device_type=device.type, **_variant(args.variant))
+            variant = _variant(args.variant)
+            GroupNorm.compiled_by_channel = variant.pop("gn", "channel") == "channel"
+            compiled = compile_model(model, device_type=device.type, **variant)
         sharded = registry.sharding.build(
             args.sharding, model, ShardingConfig(name=args.sharding), topology=topo, precision=prec, device=device
         )
@@ -240,6 +270,10 @@ def worker(args) -> None:
             dt = time.perf_counter() - t0
             first_step_s = dt if first_step_s is None else first_step_s
             print(f"rank {env.rank} warm-up step {i}: {dt:.2f} s", file=sys.stderr, flush=True)
+            if i == 0 and compiled is not None and env.is_main:  # where the first step's compile time went
+                from torch._dynamo.utils import compile_times
+
+                print(f"compile times (s, aggregated):\n{compile_times(repr='str', aggregate=True)}", file=sys.stderr)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
