@@ -24,6 +24,11 @@ collective form (framework/domain/comm.py: one all-to-all per halo exchange, fun
 all-reduces), which dynamo traces into the block's graph without a break, with the same
 values as the eager p2p path.
 
+Memory format: convolutional blocks on CUDA compile channels-last (``_wants_channels_last``):
+cuDNN's NHWC kernels then need no transposes. What makes it pay is the model's: normalisations
+whose reductions read NHWC well under compile, and blocks that hand back dense gradients, so no
+compiled backward copies what it receives (the UNet recipe's layers do both).
+
 Only training steps (grad enabled) run compiled; validation and sampling (no_grad) run the
 eager forward, so they cost no second set of compiles.
 
@@ -146,17 +151,27 @@ def _set_cache_dir(cache_dir: Path | None) -> str:
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "(torch default)")
 
 
-def _wants_channels_last(model: nn.Module, device_type: str) -> bool:
-    """Off: measured slower on H200 (torch 2.11, the 78.6 M UNet of docs/benchmarks.md, batch 4: 11.6 samples/s
-    channels-last against 12.7 NCHW, docs/benchmarks.md). cuDNN's NHWC convs save their
-    NCHW<->NHWC transposes (41 ms of a 313 ms step), but inductor's GroupNorm reductions over
-    channel groups that are strided in NHWC, and the layout copies at the eager boundaries,
-    cost more (+26 ms Triton, +36 ms copies). Eager channels-last is slower still: the CUDA
-    GroupNorm kernel needs NCHW, so every GroupNorm copies in and out."""
-    return False
+def _wants_channels_last(units: list, device_type: str) -> bool:
+    """On for CUDA when the compiled blocks convolve (4-D weights) and are not split over a domain.
+
+    cuDNN's convolutions run NHWC: NCHW activations cost a transpose in and out of each (41 ms
+    of a 300 ms step, the 78.6 M UNet of docs/benchmarks.md on an H200). Channels-last used to
+    lose (11.6 samples/s against 12.7) to GroupNorm reductions over channel groups strided by C
+    and to layout copies at the blocks' edges; with the per-channel GroupNorm of the compiled
+    blocks it is the faster (13.5 against 13.2 in one run). Domain-split blocks stay NCHW: their
+    GroupNorm reshapes and halo rows are written for it."""
+    if device_type != "cuda":
+        return False
+    modules = [m for _, unit in units for m in unit.modules()]
+    if any(hasattr(m, "_domain") for m in modules):
+        return False
+    return any(p.dim() == 4 for m in modules for p in m.parameters(recurse=False))
 
 
 def _to_channels_last(module, args, kwargs):
+    if not torch.is_grad_enabled():  # validation and sampling run eager: NCHW suits torch's GroupNorm
+        return None
+
     def conv(t):
         return (
             t.contiguous(memory_format=torch.channels_last)
@@ -178,12 +193,15 @@ def compile_model(
     channels_last: bool | None = None,
     cudnn_benchmark: bool | None = None,
     options: dict | None = None,
+    dynamic: bool | None = False,
 ) -> Compiled:
     """Compile ``model``'s repeated blocks in place (before sharding); see the module doc.
 
     ``channels_last``: channels-last activations with inductor's layout optimisation forced
-    (None: off, see ``_wants_channels_last``). ``cudnn_benchmark``: None turns it on for CUDA
-    unless ``deterministic``. ``options``: inductor config patches.
+    (None: on for convolutional blocks on CUDA, see ``_wants_channels_last``).
+    ``cudnn_benchmark``: None turns it on for CUDA unless ``deterministic``. ``options``: inductor
+    config patches. ``dynamic``: torch.compile's (False: static shapes, one graph per block
+    signature).
     """
     from framework.distributed.sharding import find_units
 
@@ -204,14 +222,14 @@ def compile_model(
     if cudnn_benchmark:  # static shapes: pick each conv's fastest algorithm once
         torch.backends.cudnn.benchmark = True
     if channels_last is None:
-        channels_last = _wants_channels_last(model, device_type)
+        channels_last = _wants_channels_last(picked, device_type)
     options = dict(options or {})
     if channels_last:
         # NHWC convs inside every graph: inductor's own heuristic skips it for graphs with a conv
         # whose output has half its input channels (the decoder's), and leaves its intermediate
         # buffers (the conv inputs) NCHW, so cuDNN transposed in and out of every conv.
         options.setdefault("force_layout_optimization", True)
-    kwargs = {"backend": backend, "dynamic": False}
+    kwargs = {"backend": backend, "dynamic": dynamic}
     if options and backend == "inductor":
         kwargs["options"] = options
     compiled_by_class: dict[type[nn.Module], object] = {}

@@ -76,9 +76,12 @@ def test_gpu_presets_compile_on_cuda_and_stay_eager_on_cpu(compose, recipe):
     assert compose([]).trainer.compile is False  # the default job: eager unless asked
 
 
-def test_compiled_training_matches_eager_fp32():
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_compiled_training_matches_eager_fp32(channels_last):
+    """Compiled blocks (NCHW, and channels-last as CUDA conv nets compile by default) train like eager."""
     eager, compiled = _model(), _model()
-    c = compile_model(compiled, device_type="cpu", backend="aot_eager")
+    c = compile_model(compiled, device_type="cpu", backend="aot_eager", channels_last=channels_last)
+    assert c.channels_last is channels_last
     assert c.enabled and c.units == sum(isinstance(m, UNetBlock) for m in compiled.modules())
     batches = _batches(3)
     a, b = _train(eager, batches), _train(compiled, batches)
@@ -87,6 +90,54 @@ def test_compiled_training_matches_eager_fp32():
         assert abs(la - lb) <= 1e-5 * abs(la), (a, b)
     for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=f"parameter {n} after 3 steps")
+
+
+def test_channels_last_is_the_cuda_default_for_convolutional_blocks_only():
+    from framework.domain.comm import DomainGroup
+    from framework.domain.splitter import split
+    from framework.train.compile import _wants_channels_last
+    from recipes.stormcast.parallelize import PLAN
+    from recipes.stormscope.dit import DiTBlock
+
+    def units(model, cls):
+        return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
+
+    unet = _model()
+    assert _wants_channels_last(units(unet, UNetBlock), "cuda")
+    assert not _wants_channels_last(units(unet, UNetBlock), "cpu")
+    dit = DiTBlock(32, 2, 4.0, kernel=3, rope=True, impl="reference")  # linear layers: nothing for cuDNN
+    assert not _wants_channels_last([("b", dit)], "cuda")
+    split_unet = split(_model(), DomainGroup(None, [8, 8]), PLAN)  # domain-split blocks stay NCHW
+    assert not _wants_channels_last(units(split_unet, UNetBlock), "cuda")
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_compiled_blocks_hand_back_dense_gradients(channels_last, monkeypatch):
+    """A compiled block's backward copies every incoming gradient that is not dense in the layout
+    it was traced for (AOTAutograd's tangent coercion: on an H200, 10 full-size copies per step
+    of the regression preset). The blocks hand back dense gradients instead (the decoder's
+    concatenated skips and the resampling blocks included), so no such copy is left."""
+    from torch._functorch import aot_autograd  # noqa: F401  (loads the runtime wrappers)
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    real = getattr(runtime_wrappers, "coerce_to_expected_memory_format", None)
+    if real is None:
+        pytest.skip("this torch names its tangent coercion differently")
+    copies = []
+
+    def counted(x, memory_format):
+        y = real(x, memory_format)
+        if y is not x:
+            copies.append((tuple(x.shape), x.stride()))
+        return y
+
+    monkeypatch.setattr(runtime_wrappers, "coerce_to_expected_memory_format", counted)
+    model = _model(attn_resolutions=[])  # decoder skips and one upsampling block
+    compile_model(model, device_type="cpu", backend="aot_eager", channels_last=channels_last)
+    x, _ = _batches(1)[0]
+    model(x).square().mean().backward()
+    assert counters["stats"]["unique_graphs"] > 0
+    assert copies == [], copies
 
 
 def _signatures(model: SongUNet, x: torch.Tensor) -> int:

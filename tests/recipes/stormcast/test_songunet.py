@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import recipes.stormcast.songunet as songunet_mod
-from recipes.stormcast.layers import UNetBlock
+from recipes.stormcast.layers import UNetBlock, group_norm_by_channel
 from recipes.stormcast.songunet import SongUNet
 
 STORMCAST_DIR = Path(songunet_mod.__file__).parent
@@ -152,6 +152,64 @@ def test_channels_last_input_matches_contiguous():
         out = model(x.to(memory_format=torch.channels_last), noise)
     assert out.shape == ref.shape
     torch.testing.assert_close(out.contiguous(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape,groups,channels_last",
+    [((2, 64, 12, 20), 16, False), ((2, 64, 12, 20), 16, True), ((3, 8, 5, 7), 2, True), ((2, 12, 9), 3, False)],
+)
+def test_group_norm_by_channel_equals_torchs(shape, groups, channels_last):
+    """The compiled path's GroupNorm (per-channel moments combined into groups) is torch's,
+    forward and every gradient, with a mean far from zero (where a naive E[x^2] - E[x]^2 fails)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 3 + 50
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w, b, dy = (
+        torch.randn(shape[1], generator=g, dtype=torch.float64),
+        torch.randn(shape[1], generator=g, dtype=torch.float64),
+        torch.randn(*shape, generator=g, dtype=torch.float64),
+    )
+    outs = []
+    for fn in (torch.nn.functional.group_norm, group_norm_by_channel):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = fn(leaves[0], groups, leaves[1], leaves[2], 1e-6)
+        outs.append((y, *torch.autograd.grad(y, leaves, dy)))
+    for name, ref, got in zip(("y", "dx", "dweight", "dbias"), *outs):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10, msg=name)
+    if channels_last:  # it keeps the layout, so a compiled graph stays channels-last
+        assert outs[1][0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_group_norm_by_channel_keeps_torchs_dtypes():
+    x = torch.randn(2, 8, 4, 4).bfloat16()
+    assert group_norm_by_channel(x, 2, None, None, 1e-6).dtype == torch.bfloat16
+    with torch.autocast("cpu", torch.bfloat16):  # CPU autocast leaves group_norm in the input's dtype
+        assert group_norm_by_channel(x, 2, None, None, 1e-6).dtype == torch.nn.functional.group_norm(x, 2).dtype
+    torch.testing.assert_close(
+        group_norm_by_channel(x, 2, None, None, 1e-6).float(),
+        torch.nn.functional.group_norm(x.float(), 2, eps=1e-6),
+        atol=2e-2,
+        rtol=2e-2,
+    )
+
+
+def test_compiled_group_norm_uses_the_per_channel_form(monkeypatch):
+    """The GroupNorm module takes the per-channel form inside torch.compile, torch's kernel outside."""
+    from recipes.stormcast import layers
+
+    calls = []
+    real = layers.group_norm_by_channel
+    monkeypatch.setattr(layers, "group_norm_by_channel", lambda *a: calls.append(1) or real(*a))
+    norm = layers.GroupNorm(16)
+    x = torch.randn(2, 16, 4, 4)
+    norm(x)
+    assert not calls
+    torch._dynamo.reset()
+    y = torch.compile(norm, backend="eager")(x)
+    assert calls
+    torch.testing.assert_close(y, torch.nn.functional.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps))
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("filename", ["songunet.py", "layers.py"])
