@@ -123,6 +123,11 @@ def swap_class(module: nn.Module, mixin: type, dg: DomainGroup, **attrs) -> None
         setattr(module, k, v)
 
 
+def is_split(module: nn.Module) -> bool:
+    """Whether ``swap_class`` gave ``module`` a domain-parallel behaviour."""
+    return hasattr(module, "_domain")
+
+
 def _torch_conv(m: nn.Conv2d, dg: DomainGroup) -> None:
     kh = m.kernel_size[0]
     if m.stride[0] != 1 or m.dilation[0] != 1 or m.padding[0] != kh // 2 or kh % 2 == 0 or m.padding_mode != "zeros":

@@ -160,10 +160,12 @@ def _wants_channels_last(units: list, device_type: str) -> bool:
     and to layout copies at the blocks' edges; with the per-channel GroupNorm of the compiled
     blocks it is the faster (13.5 against 13.2 in one run). Domain-split blocks stay NCHW: their
     GroupNorm reshapes and halo rows are written for it."""
+    from framework.domain.splitter import is_split
+
     if device_type != "cuda":
         return False
     modules = [m for _, unit in units for m in unit.modules()]
-    if any(hasattr(m, "_domain") for m in modules):
+    if any(is_split(m) for m in modules):
         return False
     return any(p.dim() == 4 for m in modules for p in m.parameters(recurse=False))
 
