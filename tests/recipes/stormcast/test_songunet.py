@@ -2,6 +2,7 @@
 
 import ast
 import copy
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -154,13 +155,15 @@ def test_channels_last_input_matches_contiguous():
     torch.testing.assert_close(out.contiguous(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit-backward", "autograd"])
 @pytest.mark.parametrize(
     "shape,groups,channels_last",
     [((2, 64, 12, 20), 16, False), ((2, 64, 12, 20), 16, True), ((3, 8, 5, 7), 2, True), ((2, 12, 9), 3, False)],
 )
-def test_group_norm_by_channel_equals_torchs(shape, groups, channels_last):
+def test_group_norm_by_channel_equals_torchs(shape, groups, channels_last, explicit):
     """The compiled path's GroupNorm (per-channel moments combined into groups) is torch's,
-    forward and every gradient, with a mean far from zero (where a naive E[x^2] - E[x]^2 fails)."""
+    forward and every gradient, with a mean far from zero (where a naive E[x^2] - E[x]^2 fails,
+    and where the explicit backward's sums would cancel if they were not centred)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g, dtype=torch.float64) * 3 + 50
     if channels_last:
@@ -171,7 +174,7 @@ def test_group_norm_by_channel_equals_torchs(shape, groups, channels_last):
         torch.randn(*shape, generator=g, dtype=torch.float64),
     )
     outs = []
-    for fn in (torch.nn.functional.group_norm, group_norm_by_channel):
+    for fn in (torch.nn.functional.group_norm, partial(group_norm_by_channel, explicit=explicit)):
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
         y = fn(leaves[0], groups, leaves[1], leaves[2], 1e-6)
         outs.append((y, *torch.autograd.grad(y, leaves, dy)))
@@ -200,7 +203,7 @@ def test_compiled_group_norm_uses_the_per_channel_form(monkeypatch):
 
     calls = []
     real = layers.group_norm_by_channel
-    monkeypatch.setattr(layers, "group_norm_by_channel", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(layers, "group_norm_by_channel", lambda *a, **k: calls.append(1) or real(*a, **k))
     norm = layers.GroupNorm(16)
     x = torch.randn(2, 16, 4, 4)
     norm(x)
