@@ -40,6 +40,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# this checkout's recipes, also where the package is not installed (no entry points: a GPU
+# machine running the checkout); the workers inherit it
+os.environ.setdefault(
+    "FRAMEWORK_RECIPES", "recipes.weather.registry,recipes.stormcast.registry,recipes.stormscope.registry"
+)
 
 PAPER = dict(model_channels=128, channel_mult=[1, 2, 2, 2, 2], num_blocks=4, attn_resolutions=[])
 DIT_IO = (28, 9)
@@ -79,7 +84,7 @@ def _local_bytes(tensors) -> int:
 
 def _variant(text: str) -> dict:
     """``key=value,...`` -> compile_model keyword arguments (ints/bools/None parsed); ``opt.NAME=v``
-    is inductor option NAME (e.g. ``opt.triton.autotune_pointwise=0``), ``gn=aten|channel`` the
+    is inductor option NAME (e.g. ``opt.triton.autotune_pointwise=0``), ``gn=explicit|composite|aten`` the
     compiled GroupNorm's form."""
     out: dict = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
@@ -104,6 +109,16 @@ _KERNEL_KINDS = (  # first match wins
     ("copy/fill", ("copy", "Memcpy", "Memset", "fill")),
     ("elementwise/reduce (aten)", ("elementwise", "vectorized", "unrolled", "reduce", "Reduce")),
 )
+
+
+def device_kernels(prof) -> list:
+    """The profile's GPU kernels, without the "## Call CompiledFxGraph ... ##" ranges that torch
+    2.11 also puts on the device timeline around each compiled graph (they span its kernels, and
+    counted as kernels they doubled the busy time)."""
+    import torch
+
+    events = prof.key_averages()
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("## ")]
 
 
 def _copy_origins(prof, steps: int) -> list:
@@ -136,7 +151,7 @@ def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
             t.train_step(batch)
         torch.cuda.synchronize(device)
     wall = (time.perf_counter() - t0) / steps
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = device_kernels(prof)
     per = lambda e: getattr(e, "self_device_time_total", 0) / 1e3 / steps  # ms per step
     kinds: dict[str, float] = {}
     for e in kernels:
@@ -203,23 +218,6 @@ def worker(args) -> None:
                 from recipes.stormcast.parallelize import PLAN
             model = split(model, dg, PLAN)
             rows, weight = extents[dg.rank], args.domain * extents[dg.rank] / args.height
-        compiled = None
-        if args.cudnn_benchmark:
-            torch.backends.cudnn.benchmark = True
-        if args.compile:
-            from framework.train.compile import compile_model
-            from recipes.stormcast.layers import GroupNorm
-
-            variant = _variant(args.variant)
-            GroupNorm.compiled_by_channel = variant.pop("gn", "channel") == "channel"
-            compiled = compile_model(model, device_type=device.type, **variant)
-        sharded = registry.sharding.build(
-            args.sharding, model, ShardingConfig(name=args.sharding), topology=topo, precision=prec, device=device
-        )
-        prec.sharded_cast = sharded.mixed_precision
-        model = sharded.model
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=cuda)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
         class Task:  # the regression loss on in-memory tensors
             @staticmethod
@@ -228,6 +226,40 @@ def worker(args) -> None:
                     torch.nn.functional.mse_loss(_forward(m, batch["x"], args.model == "dit").float(), batch["y"])
                     * weight
                 )
+
+            @staticmethod
+            def example_batch(n, empty):  # what precompilation traces on fake tensors
+                return {"x": empty((n, io[0], rows, args.width)), "y": empty((n, io[1], rows, args.width))}
+
+        compiled = None
+        if args.cudnn_benchmark:
+            torch.backends.cudnn.benchmark = True
+        if args.compile:
+            from framework.train.compile import compile_model
+            from recipes.stormcast.layers import GroupNorm
+
+            variant = _variant(args.variant)
+            GroupNorm.compiled_form = variant.pop("gn", "explicit")
+            compiled = compile_model(model, device_type=device.type, **variant)
+        jobs = []
+        if compiled is not None:  # as the runtime does (trainer.compile_workers)
+            from framework.train import precompile
+
+            jobs = precompile.plan_jobs(args.compile_workers, compiled, model, Task(), args.batch_per_gpu, prec, device)
+        sharded = registry.sharding.build(
+            args.sharding, model, ShardingConfig(name=args.sharding), topology=topo, precision=prec, device=device
+        )
+        prec.sharded_cast = sharded.mixed_precision
+        model = sharded.model
+        precompiled = None
+        if jobs:
+            precompiled = precompile.run_jobs(
+                jobs, args.compile_workers, compiled, prec, sharded.mixed_precision, device, env, timeout_s=480
+            )
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=cuda)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
         t = Trainer(
             cfg=TrainerConfig(),
@@ -305,6 +337,7 @@ def worker(args) -> None:
             "state_gib": (2 * _local_bytes(params) + _local_bytes(state)) / 2**30,
             "flop_step_s": flop_step_s,
             "first_step_s": first_step_s,
+            "precompile_s": precompiled["seconds"] if precompiled else None,
             "variant": args.variant,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         }
@@ -355,6 +388,7 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
             str(args.watchdog),
         ]
         + (["--compile", "--variant", args.variant] if compile else [])
+        + (["--compile-workers", str(args.compile_workers)] if compile and args.compile_workers is not None else [])
         + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
         + (["--profile", str(args.profile)] if args.profile else [])
     )
@@ -395,6 +429,12 @@ def main(argv=None) -> None:
         help="driver: comma list of none, ddp, fsdp2, hsdp (default none, plus ddp and fsdp2 with --gpus > 1)",
     )
     ap.add_argument("--variant", default="", help="compile_model options, e.g. channels_last=0,cudnn_benchmark=1")
+    ap.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        help="with --compile: trainer.compile_workers (None: auto; 0: the first step compiles every block)",
+    )
     ap.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark on (eager too)")
     ap.add_argument("--profile", type=Path, default=None, help="write a kernel-time table per run into this dir")
     ap.add_argument("--log-dir", type=Path, default=None, help="driver: keep each run's stdout/stderr here")
@@ -445,7 +485,7 @@ def print_table(runs: list[dict], args) -> None:
     )
     print(
         f"{'layout':>8} {'gpus':>4} {'mode':>8} {'samples/s':>10} {'/GPU':>7} {'x eager':>7} {'MFU':>6} "
-        f"{'peak GiB/GPU':>12} {'p+g+opt GiB':>11} {'1st step s':>10}"
+        f"{'peak GiB/GPU':>12} {'p+g+opt GiB':>11} {'1st step s':>10} {'precomp s':>9}"
     )
     for r in runs:
         eager = next(
@@ -453,16 +493,18 @@ def print_table(runs: list[dict], args) -> None:
         )
         ratio = f"{r['samples_per_s'] / eager['samples_per_s']:.2f}" if eager else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
+        pre = f"{r['precompile_s']:.1f}" if r.get("precompile_s") is not None else "-"
         print(
             f"{r['sharding']:>8} {r['gpus']:>4} {'compiled' if r['compile'] else 'eager':>8} "
             f"{r['samples_per_s']:>10.2f} {r['samples_per_s_per_gpu']:>7.2f} {ratio:>7} {_pct(r['mfu']):>6} "
-            f"{r['peak_mem_gib']:>12.1f} {r['state_gib']:>11.3f} {first:>10}"
+            f"{r['peak_mem_gib']:>12.1f} {r['state_gib']:>11.3f} {first:>10} {pre:>9}"
         )
         if r.get("compile_stats"):
             c = r["compile_stats"]
             print(
                 f"{'':>8} compile: {c.get('cached_graphs')} graphs for {c.get('units')} units, "
                 f"{c.get('recompiles')} recompiles, {c.get('graph_breaks')} graph breaks, "
+                f"inductor built {c.get('built')} / loaded {c.get('loaded')} graphs, "
                 f"channels_last={r.get('channels_last')}"
             )
     if args.out:

@@ -19,6 +19,11 @@
   with. Neither has a public alias nor a fallback (without them ``mode=plan`` cannot trace);
   both have been stable since torch 2.0, but so far they were run on 2.13 only
   (tests/framework/test_plan.py).
+- ``stable_cache_keys()``: inductor's FX graph cache key pickles each input's memory format,
+  which pickle finds by its dotted name ``torch.contiguous_format`` in the first module of
+  ``sys.modules`` holding a ``torch`` attribute: whichever module imported torch first, so a
+  process that imports in another order (a spawned precompile worker) computes other keys for
+  the same graphs. A ``copyreg`` reducer names the format through a function of ours instead.
 
 Nothing here imports torch at module level: the CLI validates a config before torch loads.
 """
@@ -210,3 +215,19 @@ def step_tracer() -> Any:
             return out
 
     return StepTracer()
+
+
+def memory_format(name: str) -> Any:
+    """``torch.<name>``: how ``stable_cache_keys`` pickles a memory format."""
+    import torch
+
+    return getattr(torch, name)
+
+
+def stable_cache_keys() -> None:
+    """Pickle memory formats the same way in every process (see the module doc); idempotent."""
+    import copyreg
+
+    import torch
+
+    copyreg.pickle(torch.memory_format, lambda f: (memory_format, (str(f).removeprefix("torch."),)))

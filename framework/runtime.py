@@ -209,21 +209,38 @@ def _run(run, run_dir: Path, env, degrees, device) -> JobResult:
         plan=registry.models.entry(run.model.name).split_plan,
         model_name=run.model.name,
     )
+    from framework.train import precompile
     from framework.train.compile import compile_model, compile_wanted
 
+    compiled, jobs = None, []
     if compile_wanted(run.trainer.compile, device.type):  # per block class, before sharding, as torchtitan orders it
-        compile_model(
+        compiled = compile_model(
             model,
             units=list(run.sharding.units),
             device_type=device.type,
             deterministic=run.deterministic,
             cache_dir=run_dir / "compile_cache",
         )
+        micro = run.data.batch_size // degrees.dp // run.trainer.grad_accum
+        jobs = precompile.plan_jobs(run.trainer.compile_workers, compiled, model, task, micro, precision, device)
     sharded = registry.sharding.build(
         run.sharding.name, model, run.sharding, topology=topology, precision=precision, device=device
     )
     model = sharded.model
     precision.sharded_cast = sharded.mixed_precision
+    if jobs:  # the blocks' graphs built side by side, before the first step (each rank a share)
+        precompile.run_jobs(
+            jobs,
+            run.trainer.compile_workers,
+            compiled,
+            precision,
+            sharded.mixed_precision,
+            device,
+            env,
+            timeout_s=0.8 * run.parallel.timeout_s,  # the barrier below must not time out first
+        )
+    if compiled is not None and compiled.enabled:
+        collectives.barrier()  # every rank, with or without a share: none waits on a rank that skipped
 
     optimizer = optim_mod.build(run.optim, model.parameters())
     scheduler = schedule_mod.build(run.schedule, optimizer, run.trainer.max_steps)

@@ -61,6 +61,10 @@ class TrainerConfig:
     progress: bool = True
     figures: bool = True  # the task's validation figures (fields, spectra) at each validation
     compile: bool | None = False  # null: auto, compiled on CUDA and eager on CPU (the GPU presets)
+    # processes per rank that compile the blocks before the first step (framework/train/precompile.py);
+    # null: one per 2 CPU cores of the rank, at most 8 (none below 4 cores); 0: off (the first
+    # step compiles them one by one)
+    compile_workers: int | None = None
     stop_before_end_min: float = 0.0  # SLURM: checkpoint and stop this long before the time limit
     # Debugging (conf/debug/): > 0 trains on the first N global batches over and over, so a
     # model that cannot drive its loss down on them has a bug; 0: off.
@@ -75,6 +79,8 @@ class TrainerConfig:
         non_negative(
             self, "grad_clip", "val_every", "val_batches", "stop_before_end_min", "overfit_batches", "profile_steps"
         )
+        if self.compile_workers is not None:
+            non_negative(self, "compile_workers")
         if self.profile_steps and self.max_steps < self.profile_steps + 2:
             raise Invalid(
                 "profile_steps",

@@ -284,7 +284,8 @@ def test_compiled_layouts_train_like_one_eager_process(sharding, backend):
 @pytest.mark.timeout(600)
 def test_the_tiny_recipe_compiled_with_inductor_trains_like_eager(tmp_path):
     """trainer.compile=true through the CLI with inductor's CPU backend (C++ kernels; about 100 s
-    to compile on 2 cores): fp32, 20 steps, the eager losses within 1e-5, no graph break."""
+    to compile on 2 cores): fp32, 20 steps, the eager losses within 1e-5, no graph break. Two
+    precompile workers build every block's graphs before the first step, which loads them all."""
     from framework.logging.jsonl import read
     from scripts.loss_compare import compare
     from tests.conftest import run_cli
@@ -302,9 +303,11 @@ def test_the_tiny_recipe_compiled_with_inductor_trains_like_eager(tmp_path):
     runs = {}
     for mode in ("false", "true"):
         run = tmp_path / f"compile_{mode}"
-        proc = run_cli([*common, f"trainer.compile={mode}", f"hydra.run.dir={run}"], tmp_path, timeout=500)
+        workers = ["trainer.compile_workers=2"] if mode == "true" else []
+        proc = run_cli([*common, f"trainer.compile={mode}", *workers, f"hydra.run.dir={run}"], tmp_path, timeout=500)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[mode] = [r["loss"] for r in read(run / "metrics.jsonl", "train")]
     assert len(runs["true"]) == 20 and compare(runs["false"], runs["true"]) <= 1e-5, runs
     log = (tmp_path / "compile_true" / "framework.log").read_text()
     assert "backend=inductor" in log and " 0 graph breaks" in log, log[-2000:]
+    assert "precompiled by 2 workers" in log and "inductor built 0 forward/backward graphs" in log, log[-2000:]

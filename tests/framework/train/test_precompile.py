@@ -1,0 +1,148 @@
+"""Parallel precompilation (framework/train/precompile.py): the jobs it finds, the cache it fills."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from framework.distributed.env import DistEnv
+from framework.distributed.sharding import find_units
+from framework.train import precompile
+from framework.train.compile import compile_model
+from recipes.stormcast.songunet import SongUNet
+
+
+def _unet(dropout=0.0):
+    torch.manual_seed(0)
+    return SongUNet(
+        (16, 16),
+        3,
+        2,
+        model_channels=8,
+        channel_mult=[1],
+        num_blocks=1,
+        attn_resolutions=[],
+        dropout=dropout,
+        embedding_type="zero",
+    )
+
+
+class _Task:
+    """The two Task methods precompilation uses: an example batch and the loss."""
+
+    @staticmethod
+    def example_batch(n, empty):
+        return {"x": empty((n, 3, 16, 16)), "y": empty((n, 2, 16, 16))}
+
+    @staticmethod
+    def loss(model, batch):
+        return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+class _Precision:
+    autocast_dtype = None
+
+    @staticmethod
+    def autocast(device):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def test_discover_finds_each_distinct_block_call_once():
+    """One job per distinct (block structure, inputs) pair, with the shapes the blocks really
+    receive; its block is a picklable CPU copy without the compiled forward."""
+    model = _unet()
+    seen = []
+    handles = [
+        u.register_forward_pre_hook(lambda m, a: seen.append((type(m), tuple(a[0].shape), a[2] is not None)))
+        for _, u in find_units(model, [])
+    ]
+    model(torch.randn(2, 3, 16, 16))
+    for h in handles:
+        h.remove()
+    compiled = compile_model(model, device_type="cpu", backend="eager")
+    jobs = precompile.plan_jobs(2, compiled, model, _Task(), 2, _Precision(), torch.device("cpu"))
+    assert 0 < len(jobs) <= len(seen)
+    shapes = {(tuple(j.args[0][1]), j.args[2] is not None) for j in jobs}
+    assert shapes == {(s, skip) for _, s, skip in seen}
+    for job in jobs:
+        assert "forward" not in vars(job.block) and not job.block._forward_pre_hooks
+        assert all(
+            p.device.type == "cpu" and not isinstance(p, torch._subclasses.FakeTensor) for p in job.block.parameters()
+        )
+        assert job.args[0][3] is True  # the activations need gradients in a training step
+    pickle.dumps(jobs)  # what the spawned workers receive
+    torch._dynamo.reset()
+
+
+def test_planning_leaves_the_random_states_as_they_were():
+    """The fake forward draws (dropout): a run with precompilation must draw what one without does."""
+    model = _unet(dropout=0.5)
+    compiled = compile_model(model, device_type="cpu", backend="eager")
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    assert precompile.plan_jobs(2, compiled, model, _Task(), 2, _Precision(), torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2])
+    torch._dynamo.reset()
+
+
+def test_off_where_it_cannot_apply(caplog):
+    model = _unet()
+    compiled = compile_model(model, device_type="cpu", backend="eager")
+    assert precompile.plan_jobs(0, compiled, model, _Task(), 2, _Precision(), torch.device("cpu")) == []
+
+    class NoExample(_Task):
+        @staticmethod
+        def example_batch(n, empty):
+            return None
+
+    with caplog.at_level("INFO", logger="framework"):
+        assert precompile.plan_jobs(2, compiled, model, NoExample(), 2, _Precision(), torch.device("cpu")) == []
+        assert precompile.plan_jobs(0, compiled, model, _Task(), 2, _Precision(), torch.device("cpu")) == []
+    assert "not precompiled (LookupError: the task gives no example_batch)" in caplog.text
+    assert "not precompiled (trainer.compile_workers=0" in caplog.text
+    cores = __import__("os").cpu_count() or 1
+    assert precompile.auto_workers(None, 10, 1) == (min(10, 8, cores // 2) if cores >= 4 else 0)
+    assert precompile.auto_workers(3, 2, 1) == 2 and precompile.auto_workers(0, 5, 1) == 0
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog):
+    """Two workers build the blocks' graphs with inductor (CPU backend); the first training step
+    then builds none and loads every one from the cache, and trains like the eager model. A job
+    a worker cannot build (here: inputs of the wrong width) is reported, not raised, and the
+    step compiles what is missing."""
+    eager, model = _unet(dropout=0.0), _unet(dropout=0.0)
+    compiled = compile_model(model, device_type="cpu", cache_dir=tmp_path / "cache")
+    jobs = precompile.plan_jobs(2, compiled, model, _Task(), 2, _Precision(), torch.device("cpu"))
+    bad = precompile.Job(jobs[0].block, (("tensor", (2, 5, 16, 16), torch.float32, True), *jobs[0].args[1:]))
+    with caplog.at_level("INFO", logger="framework"):
+        out = precompile.run_jobs(
+            [*jobs, bad], 2, compiled, _Precision(), False, torch.device("cpu"), DistEnv(), timeout_s=500
+        )
+    assert out["built"] == len(jobs) and len(out["failed"]) == 1, out
+    assert "precompiled by 2 workers" in caplog.text and "not built" in caplog.text
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 3, 16, 16, generator=g), torch.randn(2, 2, 16, 16, generator=g)
+    losses = []
+    for m in (eager, model):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        losses.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+    s = compiled.stats()
+    assert s["built"] == 0 and s["loaded"] == 2 * len(jobs), s  # a forward and a backward graph each
+    assert abs(losses[0][0] - losses[1][0]) <= 1e-6 * abs(losses[0][0])
+    for ge, gc in zip(losses[0][1], losses[1][1]):
+        torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()
