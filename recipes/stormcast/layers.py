@@ -163,6 +163,18 @@ def _spread(t: torch.Tensor, c: int, dims: int) -> torch.Tensor:
     return t.expand(b, t.shape[1], c // t.shape[1]).reshape(b, c, *(1,) * dims)
 
 
+def _normalise(xf, mean, rstd, weight, bias) -> torch.Tensor:
+    """(x - group mean) * group rstd * weight + bias, with the groups' (B, G, 1) statistics."""
+    c, dims = xf.shape[1], xf.dim() - 2
+    scale = _spread(rstd, c, dims)
+    if weight is not None:
+        scale = scale * weight.to(xf.dtype).reshape(1, c, *(1,) * dims)
+    y = (xf - _spread(mean, c, dims)) * scale
+    if bias is not None:
+        y = y + bias.to(xf.dtype).reshape(1, c, *(1,) * dims)
+    return y
+
+
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     # F.group_norm's: float32 under CUDA autocast (its float32 list holds group_norm; CPU
     # autocast's does not), else the input's
@@ -181,19 +193,12 @@ class _GroupNormByChannel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups: int, eps: float, out_dtype: torch.dtype):
-        c, dims = x.shape[1], x.dim() - 2
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         mean_c, mean, var = _moments(xf, groups)
         rstd = torch.rsqrt(var + eps)
-        scale = _spread(rstd, c, dims)
-        if weight is not None:
-            scale = scale * weight.to(xf.dtype).reshape(1, c, *(1,) * dims)
-        y = (xf - _spread(mean, c, dims)) * scale
-        if bias is not None:
-            y = y + bias.to(xf.dtype).reshape(1, c, *(1,) * dims)
         ctx.save_for_backward(x, weight, mean_c, mean, rstd)
         ctx.groups, ctx.has_bias = groups, bias is not None
-        return y.to(out_dtype)
+        return _normalise(xf, mean, rstd, weight, bias).to(out_dtype)
 
     @staticmethod
     def backward(ctx, gy):
@@ -241,16 +246,9 @@ def group_norm_by_channel(
     """
     if explicit:
         return _GroupNormByChannel.apply(x, weight, bias, groups, eps, _out_dtype(x))
-    c, dims = x.shape[1], x.dim() - 2
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     _, mean, var = _moments(xf, groups)
-    scale = _spread(torch.rsqrt(var + eps), c, dims)
-    if weight is not None:
-        scale = scale * weight.to(xf.dtype).reshape(1, c, *(1,) * dims)
-    y = (xf - _spread(mean, c, dims)) * scale
-    if bias is not None:
-        y = y + bias.to(xf.dtype).reshape(1, c, *(1,) * dims)
-    return y.to(_out_dtype(x))
+    return _normalise(xf, mean, torch.rsqrt(var + eps), weight, bias).to(_out_dtype(x))
 
 
 class PositionalEmbedding(nn.Module):
