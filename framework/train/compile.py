@@ -123,7 +123,6 @@ class Compiled:
 
     enabled: bool
     reason: str = ""
-    units: int = 0
     classes: dict = field(default_factory=dict)  # class name -> units
     channels_last: bool = False
     cache_dir: str = ""
@@ -131,8 +130,11 @@ class Compiled:
     codes: list = field(default_factory=list)
     compile_kwargs: dict = field(default_factory=dict)  # torch.compile's: backend, dynamic, options
     units_list: list = field(default_factory=list)  # (name, module) of the compiled units
-    precompiled: dict | None = None  # what parallel precompilation did (framework/train/precompile.py)
     _base: dict = field(default_factory=dict)
+
+    @property
+    def units(self) -> int:
+        return len(self.units_list)
 
     def stats(self) -> dict:
         now = dynamo_counts(self.codes)
@@ -272,7 +274,6 @@ def compile_model(
         model.register_forward_pre_hook(_to_channels_last, with_kwargs=True)
     out = Compiled(
         True,
-        units=len(picked),
         classes=dict(classes),
         channels_last=channels_last,
         cache_dir=cache,

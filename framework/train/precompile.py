@@ -50,9 +50,6 @@ from torch import nn
 
 log = logging.getLogger("framework")
 
-# one input: a tensor as (shape, dtype, requires_grad) or any other value as it is (None, a number)
-TensorMeta = tuple[tuple[int, ...], torch.dtype, bool]
-
 
 @dataclass
 class Job:
@@ -69,6 +66,8 @@ def _one_line(e: BaseException) -> str:
 
 
 def _meta(value: Any) -> Any:
+    """One block input as a job holds it: a tensor as ("tensor", shape, dtype, requires_grad), a
+    plain value (None, a number) as it is."""
     if torch.is_tensor(value):
         return ("tensor", tuple(value.shape), value.dtype, bool(value.requires_grad))
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -380,7 +379,6 @@ def run_jobs(
         )
 
     out = precompile(jobs, settings, workers=workers, rank=env.rank, world=env.world_size, timeout_s=timeout_s)
-    compiled.precompiled = out
     log.info(
         "compile: %d distinct block signatures precompiled by %d workers per rank, %d ranks, in %.1f s "
         "(this rank: %d of its %d built%s)",
