@@ -198,7 +198,10 @@ class _GroupNormByChannel(torch.autograd.Function):
         rstd = torch.rsqrt(var + eps)
         ctx.save_for_backward(x, weight, mean_c, mean, rstd)
         ctx.groups, ctx.has_bias = groups, bias is not None
-        return _normalise(xf, mean, rstd, weight, bias).to(out_dtype)
+        y = _normalise(xf, mean, rstd, weight, bias)
+        # no ``.to`` where the dtype already fits: torch 2.11's dynamo hands the backward of an
+        # autograd function returning such an alias zeros instead of the gradient
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
     @staticmethod
     def backward(ctx, gy):
