@@ -407,7 +407,13 @@ def flex_neighbourhood_attention(
     tile = tile_shape(max(hq, hk), w, tiled)
     prepare()  # a no-op after the first call (an attention module's construction makes it)
     assert _EAGER_BLOCK_MASK is not None
-    mask = _EAGER_BLOCK_MASK(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device, tile)
+    geometry = (hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device, tile)
+    if isinstance(q, torch._subclasses.FakeTensor):
+        # A step traced on fake tensors (framework.plan, precompilation's discovery) would cache a
+        # mask of fake tensors, which real steps then read: an illegal memory access on CUDA.
+        mask = _block_mask.__wrapped__(*geometry)
+    else:
+        mask = _EAGER_BLOCK_MASK(*geometry)
     fn = _compiled_flex() if q.device.type == "cuda" else _flex_api()[1]
     with warnings.catch_warnings():  # eager (CPU) flex warns that it is not compiled: that is the point here
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")

@@ -98,6 +98,29 @@ def test_flex_equals_dense_forward(rows, cols, kernel, tiled):
     )
 
 
+@pytest.mark.skipif(not flex_runs_on_cpu(), reason="flex_attention does not run on CPU in this torch")
+def test_a_fake_tensor_trace_leaves_no_block_mask_in_the_cache():
+    """Steps traced on fake tensors (mode=plan, precompilation's discovery) must not cache a mask
+    of fake tensors for real steps to read: on CUDA that was an illegal memory access."""
+    from framework import compat
+    from recipes.stormscope.natten import flex_neighbourhood_attention
+
+    rows, cols, kernel = 17, 33, 9
+    q, k, v = (t.detach().float() for t in qkv(rows, cols))
+    natten._block_mask.cache_clear()
+    with compat.fake_mode() as fake:
+        out = flex_neighbourhood_attention(*(fake.from_tensor(t) for t in (q, k, v)), kernel)
+    assert isinstance(out, torch._subclasses.FakeTensor) and out.shape == q.shape
+    assert natten._block_mask.cache_info().currsize == 0
+    torch.testing.assert_close(
+        flex_neighbourhood_attention(q, k, v, kernel),
+        dense_neighbourhood_attention(q, k, v, kernel),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    assert natten._block_mask.cache_info().currsize == 1
+
+
 @pytest.mark.parametrize("rows,cols,kernel", TILED)
 def test_tiled_order_round_trips_and_is_used_on_big_grids(rows, cols, kernel):
     x = qkv(rows, cols, requires_grad=False)[0]
