@@ -24,6 +24,9 @@
   ``sys.modules`` holding a ``torch`` attribute: whichever module imported torch first, so a
   process that imports in another order (a spawned precompile worker) computes other keys for
   the same graphs. A ``copyreg`` reducer names the format through a function of ours instead.
+- ``serialise_kernel_timing(lock)``: wraps inductor's ``CachingAutotuner.benchmark_all_configs``
+  (private, present in 2.11 to 2.14) so that precompile workers sharing a GPU time their kernels'
+  configurations one at a time; without it the workers leave the timing to the training process.
 
 Nothing here imports torch at module level: the CLI validates a config before torch loads.
 """
@@ -231,3 +234,27 @@ def stable_cache_keys() -> None:
     import torch
 
     copyreg.pickle(torch.memory_format, lambda f: (memory_format, (str(f).removeprefix("torch."),)))
+
+
+def serialise_kernel_timing(lock: Any) -> bool:
+    """Inductor times each kernel's candidate configurations at its first launch
+    (``CachingAutotuner.benchmark_all_configs``); make every such timing hold ``lock``, so that
+    processes sharing a GPU never time while another times. False where this torch lacks the
+    method (the caller then leaves the timing to one process)."""
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:
+        return False
+    original = getattr(CachingAutotuner, "benchmark_all_configs", None)
+    if original is None:
+        return False
+    if getattr(original, "_framework_lock", None) is lock:
+        return True
+
+    def timed_alone(self, *args, **kwargs):
+        with lock:
+            return original(self, *args, **kwargs)
+
+    timed_alone._framework_lock = lock  # type: ignore[attr-defined]
+    CachingAutotuner.benchmark_all_configs = timed_alone  # type: ignore[method-assign]
+    return True

@@ -114,6 +114,8 @@ def dynamo_counts(codes=()) -> dict:
         "recompiles": max(0, cached - len(codes)),
         "built": int(inductor["fxgraph_cache_miss"]),  # graphs inductor built here
         "loaded": int(inductor["fxgraph_cache_hit"]),  # graphs it loaded from its cache
+        # joint graphs AOTAutograd loaded from its cache (no tracing, no partitioning)
+        "aot_loaded": int(counters["aot_autograd"]["autograd_cache_hit"]),
     }
 
 
@@ -138,7 +140,8 @@ class Compiled:
 
     def stats(self) -> dict:
         now = dynamo_counts(self.codes)
-        out = {k: now[k] - self._base.get(k, 0) for k in ("graphs", "frames", "graph_breaks", "built", "loaded")}
+        counted = ("graphs", "frames", "graph_breaks", "built", "loaded", "aot_loaded")
+        out = {k: now[k] - self._base.get(k, 0) for k in counted}
         out.update(
             cached_graphs=now["cached"],
             recompiles=now["recompiles"],
@@ -156,7 +159,7 @@ class Compiled:
             f"({', '.join(f'{n} x{c}' for n, c in self.classes.items())}), {s['recompiles']} recompiles "
             f"(one per distinct block signature, limit {torch._dynamo.config.recompile_limit}), "
             f"{s['graph_breaks']} graph breaks; inductor built {s['built']} forward/backward graphs "
-            f"and loaded {s['loaded']} from its cache"
+            f"and loaded {s['loaded']} from its cache ({s['aot_loaded']} joint graphs from AOTAutograd's)"
         )
 
 
@@ -173,6 +176,24 @@ def _set_cache_dir(cache_dir: Path | None) -> str:
     if cache_dir is not None and (current is None or os.path.abspath(current) == default):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve())
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "(torch default)")
+
+
+def use_caches() -> None:
+    """Cache settings shared by the training process and the precompile workers (idempotent).
+
+    Memory formats pickled by name (``compat.stable_cache_keys``), so both compute one key.
+    AOTAutograd's cache takes graphs holding autograd functions: off by default in torch 2.11-2.14
+    (being rolled out; torch's PR 149751 checked that the traced function is pure in its
+    inputs), so every block's joint graph was traced and partitioned again by the first step, even
+    with precompiled graphs on disk. The blocks' functions (``_DenseGrad``, the GroupNorm's
+    explicit backward) hold no state: their forward and backward are traced into the key."""
+    import torch._functorch.config as functorch_config
+
+    from framework import compat
+
+    compat.stable_cache_keys()
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def _wants_channels_last(units: list, device_type: str) -> bool:
@@ -239,9 +260,7 @@ def compile_model(
         return Compiled(False, reason="no units")
 
     cache = _set_cache_dir(cache_dir)
-    from framework import compat
-
-    compat.stable_cache_keys()  # the same cache keys as precompile workers compute
+    use_caches()
     cfg = torch._dynamo.config
     # one cache entry per distinct signature of a block class, at most one per unit
     cfg.recompile_limit = max(cfg.recompile_limit, len(picked) + 8)

@@ -26,11 +26,12 @@ block's parameters (float32 under autocast; the FSDP2 MixedPrecisionPolicy's dty
 to it, where sharding casts), autocast, grad mode, the memory format the compiled blocks receive
 (``RegionForward`` normalises it: channels-last where compiled so, else contiguous), the
 inductor options and the global flags the kernels depend on (cudnn, TF32, determinism).
-Two things are deliberately not shared: workers leave the timing of inductor's kernel
-configurations to the training process (workers sharing a GPU would time each other), and
-AOTAutograd's own cache, which does not take graphs holding an autograd function, is redone
-by the first step. ``framework.compat.stable_cache_keys`` makes the cache keys independent of
-the order in which a process imported its modules. Domain-split models are not precompiled:
+The workers also fill AOTAutograd's cache (``compile.use_caches`` lets it take the blocks'
+autograd functions), so the first step neither traces nor partitions a joint graph, and they
+time inductor's candidate kernel configurations one worker at a time (a lock per GPU:
+``framework.compat.serialise_kernel_timing``), keeping each pick in the cache for the first
+step to read instead of timing again. ``framework.compat.stable_cache_keys`` makes the cache
+keys independent of the order in which a process imported its modules. Domain-split models are not precompiled:
 their blocks hold collectives, which need the job's process groups.
 """
 
@@ -178,26 +179,34 @@ def _make(meta: Any, settings: Settings, generator: torch.Generator) -> Any:
     return canonical(t, settings.channels_last).requires_grad_(grad)
 
 
-def build_graphs(jobs: list[Job], settings: Settings) -> dict:
-    """Compile ``jobs`` (in this process): one forward and backward each on random inputs."""
+def build_graphs(jobs: list[Job], settings: Settings, timing_lock: Any = None) -> dict:
+    """Compile ``jobs`` (in this process): one forward and backward each on random inputs.
+    ``timing_lock``: held while inductor times a kernel's configurations (shared by the workers
+    on one GPU)."""
     import contextlib
 
     from framework import compat
+    from framework.train.compile import use_caches
 
     os.environ.update(settings.env)
-    compat.stable_cache_keys()
+    use_caches()
     _apply_flags(settings.flags)
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = max(1, settings.threads)
-    # Kernel configurations are picked by timing them at their first run: workers sharing a GPU
-    # would time each other's kernels, so they leave the pick (not cached) to the training process.
-    inductor_config.autotune_local_cache = False
+    # Inductor picks a kernel's configuration by timing the candidates at its first run and keeps
+    # the pick beside the kernel in the cache (autotune_local_cache), where the training process
+    # finds it. Workers sharing a GPU time one at a time; where that cannot be arranged they
+    # leave the pick to the training process (nothing cached: timings taken beside another
+    # worker's would be off).
+    cuda = settings.device.startswith("cuda")
+    if cuda and not (timing_lock is not None and compat.serialise_kernel_timing(timing_lock)):
+        inductor_config.autotune_local_cache = False
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, settings.recompile_limit)
     torch._dynamo.config.accumulated_recompile_limit = max(
         torch._dynamo.config.accumulated_recompile_limit, 2 * settings.recompile_limit
     )
-    if settings.device.startswith("cuda"):
+    if cuda:
         torch.cuda.set_device(torch.device(settings.device))
     generator = torch.Generator(device=settings.device).manual_seed(0)
     compiled: dict[type, Any] = {}
@@ -231,9 +240,9 @@ def build_graphs(jobs: list[Job], settings: Settings) -> dict:
     return {"built": done, "failed": failed}
 
 
-def _worker(jobs: list[Job], settings: Settings, results) -> None:
+def _worker(jobs: list[Job], settings: Settings, results, timing_lock) -> None:
     try:
-        results.put(build_graphs(jobs, settings))
+        results.put(build_graphs(jobs, settings, timing_lock))
     except BaseException as e:  # noqa: BLE001  (reported to the parent, never raised into it)
         results.put({"built": 0, "failed": [f"worker: {_one_line(e)}"]})
 
@@ -241,10 +250,11 @@ def _worker(jobs: list[Job], settings: Settings, results) -> None:
 def _spawn_workers(shares: list[list[Job]], settings: Settings, timeout_s: float) -> dict:
     """Run each share in its own spawned process; results summed, a dead or late worker counted."""
     ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    results, timing_lock = ctx.Queue(), ctx.Lock()  # the workers of a rank share its GPU
     procs = []
     for share in shares:
-        p = ctx.Process(target=_worker, args=(share, settings, results))  # not daemonic: inductor forks its pool
+        # not daemonic: inductor forks its pool
+        p = ctx.Process(target=_worker, args=(share, settings, results, timing_lock))
         p.start()
         procs.append(p)
     total: dict = {"built": 0, "failed": []}

@@ -142,6 +142,7 @@ def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog):
         losses.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
     s = compiled.stats()
     assert s["built"] == 0 and s["loaded"] == 2 * len(jobs), s  # a forward and a backward graph each
+    assert s["aot_loaded"] == len(jobs), s  # joint graphs neither traced nor partitioned again
     assert abs(losses[0][0] - losses[1][0]) <= 1e-6 * abs(losses[0][0])
     for ge, gc in zip(losses[0][1], losses[1][1]):
         torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-6)
