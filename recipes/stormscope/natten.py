@@ -387,6 +387,13 @@ def _compiled_flex():
     return torch.compile(_flex_api()[1], dynamic=False)
 
 
+def _flex_for(q: torch.Tensor):
+    """flex_attention compiled for CUDA tensors; eager on CPU and for fake tensors (see above)."""
+    if q.device.type == "cuda" and not isinstance(q, torch._subclasses.FakeTensor):
+        return _compiled_flex()
+    return _flex_api()[1]
+
+
 def flex_neighbourhood_attention(
     q,
     k,
@@ -408,13 +415,13 @@ def flex_neighbourhood_attention(
     prepare()  # a no-op after the first call (an attention module's construction makes it)
     assert _EAGER_BLOCK_MASK is not None
     geometry = (hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device, tile)
-    if isinstance(q, torch._subclasses.FakeTensor):
-        # A step traced on fake tensors (framework.plan, precompilation's discovery) would cache a
-        # mask of fake tensors, which real steps then read: an illegal memory access on CUDA.
-        mask = _block_mask.__wrapped__(*geometry)
-    else:
-        mask = _EAGER_BLOCK_MASK(*geometry)
-    fn = _compiled_flex() if q.device.type == "cuda" else _flex_api()[1]
+    # A step traced on fake tensors (framework.plan, precompilation's discovery) must neither cache
+    # a mask of fake tensors, which real steps would then read, nor run the compiled kernel, which
+    # would launch on a fake tensor's pointers: both an illegal memory access on CUDA. Eager flex
+    # gives the output's shape there.
+    fake = isinstance(q, torch._subclasses.FakeTensor)
+    mask = _block_mask.__wrapped__(*geometry) if fake else _EAGER_BLOCK_MASK(*geometry)
+    fn = _flex_for(q)
     with warnings.catch_warnings():  # eager (CPU) flex warns that it is not compiled: that is the point here
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         out = fn(to_tiles(q, tile), to_tiles(k, tile), to_tiles(v, tile), block_mask=mask)

@@ -101,7 +101,8 @@ def test_flex_equals_dense_forward(rows, cols, kernel, tiled):
 @pytest.mark.skipif(not flex_runs_on_cpu(), reason="flex_attention does not run on CPU in this torch")
 def test_a_fake_tensor_trace_leaves_no_block_mask_in_the_cache():
     """Steps traced on fake tensors (mode=plan, precompilation's discovery) must not cache a mask
-    of fake tensors for real steps to read: on CUDA that was an illegal memory access."""
+    of fake tensors for real steps to read, nor launch the compiled kernel on fake pointers: on
+    CUDA either was an illegal memory access."""
     from framework import compat
     from recipes.stormscope.natten import flex_neighbourhood_attention
 
@@ -110,7 +111,9 @@ def test_a_fake_tensor_trace_leaves_no_block_mask_in_the_cache():
     natten._block_mask.cache_clear()
     with compat.fake_mode() as fake:
         out = flex_neighbourhood_attention(*(fake.from_tensor(t) for t in (q, k, v)), kernel)
-    assert isinstance(out, torch._subclasses.FakeTensor) and out.shape == q.shape
+        assert isinstance(out, torch._subclasses.FakeTensor) and out.shape == q.shape
+        # a fake CUDA tensor (no GPU needed) gets eager flex, not the compiled kernel
+        assert natten._flex_for(torch.empty(1, device="cuda")) is natten._flex_api()[1]
     assert natten._block_mask.cache_info().currsize == 0
     torch.testing.assert_close(
         flex_neighbourhood_attention(q, k, v, kernel),
