@@ -220,6 +220,7 @@ def _run(run, run_dir: Path, env, degrees, device) -> JobResult:
             device_type=device.type,
             deterministic=run.deterministic,
             cache_dir=run_dir / "compile_cache",
+            memory_budget=run.trainer.compile_memory_budget,
         )
         micro = run.data.batch_size // degrees.dp // run.trainer.grad_accum
         jobs = precompile.plan_jobs(run.trainer.compile_workers, compiled, model, task, micro, precision, device)

@@ -65,6 +65,9 @@ class TrainerConfig:
     # null: one per 2 CPU cores of the rank, at most 8 (none below 4 cores); 0: off (the first
     # step compiles them one by one)
     compile_workers: int | None = None
+    # the share of the compiled blocks' activations AOTAutograd may keep for backward (its
+    # activation_memory_budget); below 1 it recomputes cheap pointwise work in backward instead
+    compile_memory_budget: float = 1.0
     stop_before_end_min: float = 0.0  # SLURM: checkpoint and stop this long before the time limit
     # Debugging (conf/debug/): > 0 trains on the first N global batches over and over, so a
     # model that cannot drive its loss down on them has a bug; 0: off.
@@ -81,6 +84,8 @@ class TrainerConfig:
         )
         if self.compile_workers is not None:
             non_negative(self, "compile_workers")
+        if not 0.0 < self.compile_memory_budget <= 1.0:
+            raise Invalid("compile_memory_budget", f"must be in (0, 1], got {self.compile_memory_budget}")
         if self.profile_steps and self.max_steps < self.profile_steps + 2:
             raise Invalid(
                 "profile_steps",

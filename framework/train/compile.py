@@ -131,6 +131,7 @@ class Compiled:
     first_step_s: float | None = None
     codes: list = field(default_factory=list)
     compile_kwargs: dict = field(default_factory=dict)  # torch.compile's: backend, dynamic, options
+    memory_budget: float = 1.0  # AOTAutograd's activation_memory_budget
     units_list: list = field(default_factory=list)  # (name, module) of the compiled units
     _base: dict = field(default_factory=dict)
 
@@ -176,6 +177,16 @@ def _set_cache_dir(cache_dir: Path | None) -> str:
     if cache_dir is not None and (current is None or os.path.abspath(current) == default):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve())
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "(torch default)")
+
+
+def set_memory_budget(budget: float) -> None:
+    """AOTAutograd's ``activation_memory_budget`` (shared by the training process and the
+    precompile workers: it is part of the cache key). 1: its default min-cut partition, which
+    keeps every convolution's input for backward; below 1 it recomputes such pointwise results
+    (GroupNorm + SiLU of a saved tensor) in backward, within that share of the activations."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = float(budget)
 
 
 def use_caches() -> None:
@@ -241,6 +252,7 @@ def compile_model(
     cudnn_benchmark: bool | None = None,
     options: dict | None = None,
     dynamic: bool | None = False,
+    memory_budget: float = 1.0,
 ) -> Compiled:
     """Compile ``model``'s repeated blocks in place (before sharding); see the module doc.
 
@@ -248,7 +260,7 @@ def compile_model(
     (None: on for convolutional blocks on CUDA, see ``_wants_channels_last``).
     ``cudnn_benchmark``: None turns it on for CUDA unless ``deterministic``. ``options``: inductor
     config patches. ``dynamic``: torch.compile's (False: static shapes, one graph per block
-    signature).
+    signature). ``memory_budget``: ``trainer.compile_memory_budget`` (``set_memory_budget``).
     """
     from framework.distributed.sharding import find_units
 
@@ -261,6 +273,7 @@ def compile_model(
 
     cache = _set_cache_dir(cache_dir)
     use_caches()
+    set_memory_budget(memory_budget)
     cfg = torch._dynamo.config
     # one cache entry per distinct signature of a block class, at most one per unit
     cfg.recompile_limit = max(cfg.recompile_limit, len(picked) + 8)
@@ -298,6 +311,7 @@ def compile_model(
         cache_dir=cache,
         codes=codes,
         compile_kwargs=kwargs,
+        memory_budget=float(memory_budget),
         units_list=picked,
         _base=dynamo_counts(),
     )

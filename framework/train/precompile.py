@@ -121,6 +121,7 @@ class Settings:
     threads: int  # inductor's compile threads per worker
     flags: dict  # the global switches the kernels depend on
     recompile_limit: int
+    memory_budget: float  # AOTAutograd's activation_memory_budget (in its cache key)
     env: dict  # TORCHINDUCTOR_CACHE_DIR and friends
 
 
@@ -186,10 +187,11 @@ def build_graphs(jobs: list[Job], settings: Settings, timing_lock: Any = None) -
     import contextlib
 
     from framework import compat
-    from framework.train.compile import use_caches
+    from framework.train.compile import set_memory_budget, use_caches
 
     os.environ.update(settings.env)
     use_caches()
+    set_memory_budget(settings.memory_budget)
     _apply_flags(settings.flags)
     import torch._inductor.config as inductor_config
 
@@ -385,6 +387,7 @@ def run_jobs(
             threads=max(1, cores // n),
             flags=global_flags(),
             recompile_limit=torch._dynamo.config.recompile_limit,
+            memory_budget=compiled.memory_budget,
             env={k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if k in os.environ},
         )
 

@@ -13,6 +13,7 @@ CASES = [
     (["checkpoint.keep=0"], r"^checkpoint\.keep: must be > 0"),
     (["checkpoint.every=-5"], r"^checkpoint\.every: must be >= 0"),
     (["trainer.grad_accum=0"], r"^trainer\.grad_accum: must be > 0"),
+    (["trainer.compile_memory_budget=0"], r"^trainer\.compile_memory_budget: must be in \(0, 1\], got 0"),
     (["seed=x"], r"^seed: "),
     (["device=tpu"], r"^device: must be one of"),
     (["sharding.reshard_after_forward=sometimes"], r"^sharding\.reshard_after_forward: must be one of"),

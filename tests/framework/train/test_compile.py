@@ -92,6 +92,42 @@ def test_compiled_training_matches_eager_fp32(channels_last):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=f"parameter {n} after 3 steps")
 
 
+def _saved_bytes(model, x) -> int:
+    """Bytes the forward keeps for backward (what autograd's saved-tensor hooks see)."""
+    total = []
+
+    def pack(t):
+        total.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).square().mean()
+    loss.backward()
+    return sum(total)
+
+
+def test_a_memory_budget_below_one_keeps_fewer_activations_and_trains_alike():
+    """trainer.compile_memory_budget: AOTAutograd recomputes the blocks' pointwise work (GroupNorm +
+    SiLU before each convolution) in backward instead of keeping it; the gradients do not change."""
+    from framework.train.compile import set_memory_budget
+
+    x = _batches(1)[0][0]
+    saved, grads = {}, {}
+    try:
+        for budget in (1.0, 0.5):
+            torch._dynamo.reset()
+            model = _model()
+            c = compile_model(model, device_type="cpu", backend="aot_eager_decomp_partition", memory_budget=budget)
+            assert c.memory_budget == budget
+            saved[budget] = _saved_bytes(model, x)
+            grads[budget] = [p.grad for p in model.parameters()]
+    finally:
+        set_memory_budget(1.0)
+    assert saved[0.5] < 0.75 * saved[1.0], saved
+    for a, b in zip(grads[1.0], grads[0.5]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
 def test_channels_last_is_the_cuda_default_for_convolutional_blocks_only():
     from framework.domain.comm import DomainGroup
     from framework.domain.splitter import split
