@@ -31,8 +31,10 @@ compiles, and its wall time is reported as the first-step (compile) time.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -47,6 +49,10 @@ os.environ.setdefault(
 )
 
 PAPER = dict(model_channels=128, channel_mult=[1, 2, 2, 2, 2], num_blocks=4, attn_resolutions=[])
+# the diffusion stage's denoiser (recipe=stormcast_diffusion_fast): 99 noisy channels plus the
+# conditions [state 99, regression 99, invariants 2] in, 99 out; noise-level and positional embeddings
+DIFFUSION = dict(PAPER, embedding_type="positional", additive_pos_embed=True, dropout=0.1)
+DIFFUSION_IO = (299, 99)
 DIT_IO = (28, 9)
 
 
@@ -58,6 +64,15 @@ def build_model(args):
         from recipes.stormscope.config import DiTConfig
 
         cfg, io = DiTConfig(attn_impl=args.attn_impl), DIT_IO
+    elif args.model == "diffusion":
+        from recipes.stormcast.config import SongUNetConfig
+        from recipes.weather.edm import EDMPrecond
+
+        cfg, io = SongUNetConfig(**DIFFUSION), DIFFUSION_IO
+        net = registry.models.build(
+            "songunet", cfg, in_channels=io[0], out_channels=io[1], img_resolution=(args.height, args.width)
+        )
+        return EDMPrecond(net, sigma_data=0.5), io, cfg.downsample_factor
     else:
         from recipes.stormcast.config import SongUNetConfig
 
@@ -68,8 +83,17 @@ def build_model(args):
     return model, io, cfg.downsample_factor
 
 
-def _forward(model, x, dit: bool):
-    return model(x, x.new_zeros(x.shape[0])) if dit else model(x)  # the DiT also takes the noise level
+def _loss(model, batch, kind: str):
+    """The benchmark's training loss: regression MSE, or EDM's weighted denoising loss."""
+    import torch
+
+    x, y = batch["x"], batch["y"]
+    if kind == "diffusion":  # x: the conditions, y: the target; sigma and noise fixed per batch
+        from recipes.weather.edm import edm_loss
+
+        return edm_loss(model, y, batch["sigma"], batch["noise"], x).mean()
+    out = model(x, x.new_zeros(x.shape[0])) if kind == "dit" else model(x)  # the DiT also takes the noise level
+    return torch.nn.functional.mse_loss(out.float(), y)
 
 
 def _local_bytes(tensors) -> int:
@@ -139,6 +163,39 @@ def _copy_origins(prof, steps: int) -> list:
     return sorted(origins.items(), key=lambda kv: -kv[1][0])
 
 
+def host_time(t, batch, device, path: Path, steps: int = 3) -> list:
+    """How long the host takes to enqueue a step (no sync inside: the GPU runs behind), against
+    the step's wall time; near equal, the host sets the pace. Then one step under cProfile,
+    its functions by own time, written to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    enqueue, wall = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        t.train_step(batch)
+        enqueue.append(time.perf_counter() - t0)
+        torch.cuda.synchronize(device)
+        wall.append(time.perf_counter() - t0)
+    prof = cProfile.Profile()
+    torch.cuda.synchronize(device)
+    prof.enable()
+    t.train_step(batch)
+    torch.cuda.synchronize(device)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(60)
+    path.write_text(buf.getvalue())
+    e, w = 1e3 * min(enqueue), 1e3 * min(wall)
+    return [f"host: enqueueing a step takes {e:.1f} ms of its {w:.1f} ms wall ({100 * e / w:.0f}%); {path.name}"]
+
+
 def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
     """Kernel time of ``steps`` training steps by kind, and the top kernels (torch.profiler)."""
     import torch
@@ -168,12 +225,19 @@ def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
         lines += [f"  {ms:8.2f} {n // steps:5d}  {chain}" for chain, (ms, n) in _copy_origins(prof, steps)[:10]]
     except Exception as e:  # noqa: BLE001
         lines.append(f"  (not available: {e!r})")
-    text = "\n".join(lines)
     mode = "compiled" if args.compile else "eager"
     tag = f"{args.model}_{args.sharding}_{mode}{'_' + args.variant if args.variant else ''}"
+    tag = tag.replace("=", "-").replace(",", "_")
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_{tag.replace('=', '-').replace(',', '_')}.txt").write_text(text + "\n")
+    trace = out / f"trace_{tag}.json"  # the timeline (chrome://tracing, perfetto): where the GPU waits
+    prof.export_chrome_trace(str(trace))
+    with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    lines += host_time(t, batch, device, out / f"host_{tag}.txt")
+    text = "\n".join(lines)
+    (out / f"profile_{tag}.txt").write_text(text + "\n")
     print(f"PROFILE {tag}\n{text}", file=sys.stderr, flush=True)
     return {"wall_ms": 1e3 * wall, "kernel_ms": busy, "kinds_ms": kinds}
 
@@ -219,17 +283,22 @@ def worker(args) -> None:
             model = split(model, dg, PLAN)
             rows, weight = extents[dg.rank], args.domain * extents[dg.rank] / args.height
 
-        class Task:  # the regression loss on in-memory tensors
+        if args.domain > 1 and args.model == "diffusion":
+            raise SystemExit("--model diffusion: not with --domain (the benchmark's denoiser is not split)")
+        # the diffusion denoiser sees the noisy target and the conditions: x holds the conditions
+        x_ch = io[0] - io[1] if args.model == "diffusion" else io[0]
+
+        class Task:  # the training loss on in-memory tensors
             @staticmethod
             def loss(m, batch):
-                return (
-                    torch.nn.functional.mse_loss(_forward(m, batch["x"], args.model == "dit").float(), batch["y"])
-                    * weight
-                )
+                return _loss(m, batch, args.model) * weight
 
             @staticmethod
             def example_batch(n, empty):  # what precompilation traces on fake tensors
-                return {"x": empty((n, io[0], rows, args.width)), "y": empty((n, io[1], rows, args.width))}
+                out = {"x": empty((n, x_ch, rows, args.width)), "y": empty((n, io[1], rows, args.width))}
+                if args.model == "diffusion":
+                    out.update(sigma=empty((n,)), noise=empty((n, io[1], rows, args.width)))
+                return out
 
         compiled = None
         if args.cudnn_benchmark:
@@ -279,9 +348,12 @@ def worker(args) -> None:
         )
         b = args.batch_per_gpu
         batch = {
-            "x": torch.randn(b, io[0], rows, args.width, device=device),
+            "x": torch.randn(b, x_ch, rows, args.width, device=device),
             "y": torch.randn(b, io[1], rows, args.width, device=device),
         }
+        if args.model == "diffusion":  # EDM's lognormal noise levels (P_mean -1.2, P_std 1.2)
+            batch["sigma"] = (torch.randn(b, device=device) * 1.2 - 1.2).exp()
+            batch["noise"] = torch.randn(b, io[1], rows, args.width, device=device)
         from framework.train import metrics
 
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -447,7 +519,12 @@ def main(argv=None) -> None:
         help="dp: none/ddp/fsdp2 scaling; domain: one sample split over the GPUs",
     )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    ap.add_argument("--model", choices=["songunet", "dit"], default="songunet")
+    ap.add_argument(
+        "--model",
+        choices=["songunet", "diffusion", "dit"],
+        default="songunet",
+        help="songunet: the regression net; diffusion: the EDM denoiser of stormcast_diffusion_fast; dit: StormScope's",
+    )
     ap.add_argument("--attn-impl", default="auto", help="dit: auto | flex | reference")
     ap.add_argument(
         "--watchdog",
