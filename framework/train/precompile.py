@@ -31,8 +31,8 @@ autograd functions), so the first step neither traces nor partitions a joint gra
 time inductor's candidate kernel configurations one worker at a time (a lock per GPU:
 ``framework.compat.serialise_kernel_timing``), keeping each pick in the cache for the first
 step to read instead of timing again. ``framework.compat.stable_cache_keys`` makes the cache
-keys independent of the order in which a process imported its modules. Domain-split models are not precompiled:
-their blocks hold collectives, which need the job's process groups.
+keys independent of the order in which a process imported its modules. Domain-split models
+are not precompiled: their blocks hold collectives, which need the job's process groups.
 """
 
 from __future__ import annotations
