@@ -47,6 +47,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "noautotune": ({"triton.autotune_pointwise": False}, {}),
     "nchw": ({}, {"channels_last": False}),
     "aten_gn": ({}, {"gn": "aten"}),
+    "fused_gn": ({}, {"gn": "fused"}),
     "composite_gn": ({}, {"gn": "composite"}),
 }
 

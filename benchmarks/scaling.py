@@ -108,7 +108,7 @@ def _local_bytes(tensors) -> int:
 
 def _variant(text: str) -> dict:
     """``key=value,...`` -> compile_model keyword arguments (ints/bools/None parsed); ``opt.NAME=v``
-    is inductor option NAME (e.g. ``opt.triton.autotune_pointwise=0``), ``gn=explicit|composite|aten`` the
+    is inductor option NAME (e.g. ``opt.triton.autotune_pointwise=0``), ``gn=explicit|fused|composite|aten`` the
     compiled GroupNorm's form."""
     out: dict = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
@@ -126,6 +126,7 @@ _KERNEL_KINDS = (  # first match wins
     ("conv (cuDNN)", ("conv", "xmma", "cudnn", "implicit", "wgrad", "dgrad", "fprop", "sm90_", "cutlass")),
     ("matmul", ("gemm", "nvjet", "cublas")),
     ("attention", ("flash", "fmha", "attention")),
+    ("group norm (fused Triton)", ("gn_fused",)),
     ("triton (inductor)", ("triton",)),
     ("group norm (aten)", ("group_norm", "GroupNorm", "Welford", "welford")),
     ("optimizer", ("multi_tensor", "adam", "Adam")),

@@ -39,8 +39,11 @@ class GroupNormMixin:
 
     _domain: DomainGroup
 
-    def forward(self, x):
-        return split_group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self._domain)
+    def forward(self, x, shift=None, silu=False):
+        if shift is not None:  # one value per (sample, channel): (B, C) or (B, C, 1, 1)
+            x = x + shift.reshape(*shift.shape[:2], *(1,) * (x.dim() - 2))
+        y = split_group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self._domain)
+        return F.silu(y) if silu else y
 
 
 class RowSliceMixin:

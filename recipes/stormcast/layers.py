@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recipes.stormcast import fused_norm
+
 
 def _xavier_uniform_(tensor: torch.Tensor, fan_in: int, fan_out: int, gain: float) -> None:
     # Explicit fans (instead of nn.init's inference) so convs and linears share one rule.
@@ -133,16 +135,29 @@ class GroupNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_channels))
 
     # Under torch.compile: per-channel statistics combined into groups (``group_norm_by_channel``),
-    # which inductor reduces with coalesced reads in either memory format. Eager: torch's kernel.
-    # "composite" differentiates that form through autograd instead of its explicit backward, and
-    # "aten" keeps torch's kernel when compiled too (both only for side-by-side measurements).
+    # which inductor reduces with coalesced reads in either memory format, with an explicit
+    # backward. Eager: torch's kernel. "fused" runs the Triton kernels of ``fused_norm`` instead
+    # on CUDA (a third less GPU time, but more host time per launch: docs/benchmarks.md, run 8),
+    # "composite" differentiates the per-channel form through autograd, and "aten" keeps torch's
+    # kernel when compiled too (these three for side-by-side measurements).
     compiled_form = "explicit"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+        """GroupNorm of ``x + shift`` (``shift``: one value per sample and channel, (B, C) or
+        (B, C, 1, 1)), then SiLU if ``silu``."""
         w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
+        if self.compiled_form == "fused" and torch.compiler.is_compiling() and fused_norm.available(x):
+            # in the dtype the convolution after it computes in: the same values, half the bytes
+            out = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
+            return fused_norm.group_norm(x, self.num_groups, w, b, self.eps, shift=shift, silu=silu, dtype=out)
+        if shift is not None:
+            x = x + shift.reshape(*shift.shape[:2], *(1,) * (x.dim() - 2))
         if self.compiled_form != "aten" and torch.compiler.is_compiling():
-            return group_norm_by_channel(x, self.num_groups, w, b, self.eps, explicit=self.compiled_form == "explicit")
-        return F.group_norm(x, self.num_groups, w, b, self.eps)
+            explicit = self.compiled_form != "composite"
+            y = group_norm_by_channel(x, self.num_groups, w, b, self.eps, explicit=explicit)
+        else:
+            y = F.group_norm(x, self.num_groups, w, b, self.eps)
+        return F.silu(y) if silu else y
 
 
 def _moments(xf: torch.Tensor, groups: int):
@@ -421,18 +436,18 @@ class UNetBlock(nn.Module):
         if skip is not None:  # a decoder skip connection: concatenated here, inside the block, so
             x = torch.cat([x, skip], dim=1)  # that a compiled block fuses the copy into its first ops
         orig = x
-        x = self.conv0(F.silu(self.norm0(x)))
+        x = self.conv0(self.norm0(x, silu=True))
         if self.affine is not None:
             if emb is None:
                 raise ValueError("UNetBlock was built with an embedding affine but got emb=None")
-            params = self.affine(emb).to(x.dtype)[:, :, None, None]
+            params = self.affine(emb).to(x.dtype)
             if self.adaptive_scale:
-                scale, shift = params.chunk(2, dim=1)
+                scale, shift = params[:, :, None, None].chunk(2, dim=1)
                 x = F.silu(torch.addcmul(shift, self.norm1(x), scale + 1))
             else:
-                x = F.silu(self.norm1(x + params))
+                x = self.norm1(x, shift=params, silu=True)
         else:
-            x = F.silu(self.norm1(x))
+            x = self.norm1(x, silu=True)
         x = self.conv1(F.dropout(x, p=self.dropout, training=self.training))
         x = (x + (self.skip(orig) if self.skip is not None else orig)) * self.skip_scale
         if self.attn is not None:

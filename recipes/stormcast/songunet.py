@@ -234,4 +234,4 @@ class SongUNet(nn.Module):
             skip = skips.pop() if x.shape[1] != block.in_channels else None  # the block concatenates it
             x = self._run_block(block, level, x, emb, skip)
 
-        return self.out_conv(F.silu(self.out_norm(x)))
+        return self.out_conv(self.out_norm(x, silu=True))

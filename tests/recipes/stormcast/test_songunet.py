@@ -215,16 +215,23 @@ def test_compiled_group_norm_uses_the_per_channel_form(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("form", ["explicit", "composite"])
+@pytest.mark.parametrize("form", ["explicit", "composite", "fused"])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_compiled_block_trains_like_the_eager_one(form, channels_last, monkeypatch):
-    """A UNet block under torch.compile (dynamo + AOTAutograd, fp32) gives the eager block's output
-    and every gradient. Torch 2.11's dynamo handed the explicit GroupNorm backward zeros where its
-    forward returned a no-op ``.to`` (every gradient upstream of the norm was lost); CI runs this
-    on the oldest and the newest torch of the supported range."""
+    """A UNet block under torch.compile (dynamo + AOTAutograd, fp32, no graph break) gives the
+    eager block's output and every gradient. Torch 2.11's dynamo handed the explicit GroupNorm
+    backward zeros where its forward returned a no-op ``.to`` (every gradient upstream of the
+    norm was lost); CI runs this on the oldest and the newest torch of the supported range, and
+    the "fused" form (the Triton kernels, as custom ops) under Triton's interpreter."""
+    from recipes.stormcast import fused_norm
     from recipes.stormcast.layers import GroupNorm
 
+    if form == "fused" and not fused_norm.available(torch.empty(1, 1, 1)):
+        pytest.skip("the fused kernels need Triton (on CPU: its interpreter, TRITON_INTERPRET=1)")
     monkeypatch.setattr(GroupNorm, "compiled_form", form)
+    calls = []  # the fused kernels run where asked, and only compiled
+    real = fused_norm.group_norm
+    monkeypatch.setattr(fused_norm, "group_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.manual_seed(0)
     block = UNetBlock(16, 8, emb_channels=32, eps=1e-6)
     for p in block.parameters():  # no zero-initialised convolution: every gradient is non-trivial
@@ -235,18 +242,19 @@ def test_compiled_block_trains_like_the_eager_one(form, channels_last, monkeypat
     emb, grad = torch.randn(2, 32), torch.randn(2, 8, 8, 8)
     results = []
     torch._dynamo.reset()
-    for fn in (block, torch.compile(block, backend="aot_eager")):
+    for fn in (block, torch.compile(block, backend="aot_eager", fullgraph=True)):
         block.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
         fn(xi, emb).backward(grad)
         results.append([xi.grad] + [p.grad for p in block.parameters()])
+        assert bool(calls) == (form == "fused" and fn is not block)
     torch._dynamo.reset()
     names = ["input"] + [n for n, _ in block.named_parameters()]
     for name, want, got in zip(names, *results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("filename", ["songunet.py", "layers.py"])
+@pytest.mark.parametrize("filename", ["songunet.py", "layers.py", "fused_norm.py"])
 def test_model_code_does_not_import_framework(filename):
     tree = ast.parse((STORMCAST_DIR / filename).read_text())
     imported = []

@@ -1,0 +1,432 @@
+"""GroupNorm (+ SiLU) as four Triton kernels, for the compiled SongUNet blocks on CUDA (opt-in).
+
+Why hand-written: inductor writes the normalisation of a channels-last activation as 1-D
+kernels over its elements, each element gathering its channel's statistics, weight and bias
+anew; these kernels work on tiles of (pixels x channels) and load a channel's coefficients once
+per tile. On an H200 (docs/benchmarks.md, run 8) a full-resolution decoder block takes 9.7 ms
+instead of 12.4, and the regression step's kernels 208 ms instead of 246; but every launch is a
+custom op called from Python, four per norm, and with them the step is bound by the host's
+launch time (15.36 samples/s against 15.66). So the compiled blocks keep inductor's form by
+default and this one is opt-in (``GroupNorm.compiled_form = "fused"``), until its launches are
+cheaper (CUDA graphs, or fewer of them).
+
+The kernels see only per-(sample, channel) coefficients, so the group logic, the optional
+per-(sample, channel) ``shift`` added before the norm (the UNet block's embedding) and the
+weight and bias stay small torch operations between them (which a compiled graph fuses):
+
+* ``stats``: per pixel chunk and channel, the mean and the sum of squared deviations (Chan's
+  pairwise update, no ``E[x^2] - E[x]^2`` cancellation); the chunks, channels and groups are
+  combined exactly in torch.
+* ``apply``: ``y = x * a + c`` per channel, optionally SiLU, written in the output dtype.
+* ``grad_sums``: per chunk and channel, the sums of ``dy`` and of ``dy * x_hat`` (``dy`` the
+  gradient of the norm's output, through the SiLU, recomputed from ``x``).
+* ``grad_apply``: ``dx = dy * k_g + x * k_x + k_0`` per channel.
+
+Each is a ``torch.library`` custom op: opaque to inductor (its graphs call it like a library
+kernel and cache as usual), traced by dynamo without a break. With ``TRITON_INTERPRET=1`` the
+kernels also run on CPU tensors (Triton's interpreter), which is how the CPU tests check them.
+Plain PyTorch otherwise: no dependency on ``framework``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import NamedTuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the compiled blocks keep the PyTorch form
+    triton = None
+
+
+def available(x: torch.Tensor) -> bool:
+    """The fused kernels can run on ``x``: Triton is installed, and ``x`` is a 3-D+ float32 or
+    half-precision CUDA tensor (or any device under Triton's interpreter)."""
+    if triton is None or x.dim() < 3 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    # (a fake CUDA tensor on a machine without one, as precompilation's discovery may trace, stays off)
+    return (x.is_cuda and torch.cuda.is_available()) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_and_grad(y):
+        s = 1.0 / (1.0 + tl.exp(-y))
+        return y * s, s * (1.0 + y * (1.0 - s))
+
+    @triton.jit
+    def _tile(ptr, b, ps, cs, pmask, cmask, s_b, s_p, s_c):
+        offs = b.to(tl.int64) * s_b + ps[:, None].to(tl.int64) * s_p + cs[None, :].to(tl.int64) * s_c
+        return offs, pmask[:, None] & cmask[None, :]
+
+    @triton.jit
+    def _pointwise_tile(C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        """This program's sample, pixels and channels (and which channels exist)."""
+        b, cs = tl.program_id(1), tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        return b, tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P), cs, cs < C
+
+    @triton.jit
+    def gn_fused_stats(
+        x_ptr, mean_ptr, m2_ptr, C, P, nchunks, s_b, s_p, s_c,
+        ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid, b, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cs < C
+        start = pid * (ITERS * BLOCK_P)
+        # sums of deviations from the chunk's first pixel (near the mean: no cancellation), kept
+        # per tile element and reduced across the tile once, after the loop
+        pivot = tl.load(x_ptr + b.to(tl.int64) * s_b + start.to(tl.int64) * s_p + cs * s_c, mask=cmask, other=0.0)
+        pivot = pivot.to(tl.float32)[None, :]
+        acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+        acc2 = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+        for i in range(ITERS):  # the last chunk's tail is masked off
+            ps = start + i * BLOCK_P + tl.arange(0, BLOCK_P)
+            offs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c)
+            d = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) - pivot, 0.0)
+            acc += d
+            acc2 += d * d
+        n = tl.minimum(P - start, ITERS * BLOCK_P).to(tl.float32)
+        s1, s2 = tl.sum(acc, 0), tl.sum(acc2, 0)
+        out = (b * nchunks + pid) * C + cs
+        tl.store(mean_ptr + out, tl.sum(pivot, 0) + s1 / n, mask=cmask)
+        tl.store(m2_ptr + out, s2 - s1 * s1 / n, mask=cmask)
+
+    @triton.jit
+    def gn_fused_apply(
+        x_ptr, a_ptr, c_ptr, y_ptr, C, P, s_b, s_p, s_c, o_b, o_p, o_c,
+        SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        b, ps, cs, cmask = _pointwise_tile(C, BLOCK_P, BLOCK_C)
+        a = tl.load(a_ptr + b * C + cs, mask=cmask, other=0.0)
+        c = tl.load(c_ptr + b * C + cs, mask=cmask, other=0.0)
+        offs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c)
+        y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * a[None, :] + c[None, :]
+        if SILU:
+            y, _ = _silu_and_grad(y)
+        out, _ = _tile(y_ptr, b, ps, cs, ps < P, cmask, o_b, o_p, o_c)
+        tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def gn_fused_grad_sums(
+        g_ptr, x_ptr, a_ptr, c_ptr, r_ptr, q_ptr, s1_ptr, s2_ptr, C, P, nchunks,
+        g_b, g_p, g_c, s_b, s_p, s_c,
+        SILU: tl.constexpr, ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid, b, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cs < C
+        a = tl.load(a_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
+        c = tl.load(c_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
+        r = tl.load(r_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
+        q = tl.load(q_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
+        acc1 = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+        acc2 = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+        start = pid * (ITERS * BLOCK_P)
+        for i in range(ITERS):  # the last chunk's tail is masked off
+            ps = start + i * BLOCK_P + tl.arange(0, BLOCK_P)
+            offs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c)
+            goffs, _ = _tile(g_ptr, b, ps, cs, ps < P, cmask, g_b, g_p, g_c)
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(g_ptr + goffs, mask=mask, other=0.0).to(tl.float32)
+            if SILU:
+                _, ds = _silu_and_grad(x * a + c)
+                dy = dy * ds
+            acc1 += dy
+            acc2 += tl.where(mask, dy * (x * r + q), 0.0)
+        out = (b * nchunks + pid) * C + cs
+        tl.store(s1_ptr + out, tl.sum(acc1, 0), mask=cmask)
+        tl.store(s2_ptr + out, tl.sum(acc2, 0), mask=cmask)
+
+    @triton.jit
+    def gn_fused_grad_apply(
+        g_ptr, x_ptr, a_ptr, c_ptr, kg_ptr, kx_ptr, k0_ptr, dx_ptr, C, P,
+        g_b, g_p, g_c, s_b, s_p, s_c, o_b, o_p, o_c,
+        SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        b, ps, cs, cmask = _pointwise_tile(C, BLOCK_P, BLOCK_C)
+        kg = tl.load(kg_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
+        kx = tl.load(kx_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
+        k0 = tl.load(k0_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
+        offs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c)
+        goffs, _ = _tile(g_ptr, b, ps, cs, ps < P, cmask, g_b, g_p, g_c)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(g_ptr + goffs, mask=mask, other=0.0).to(tl.float32)
+        if SILU:
+            a = tl.load(a_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
+            c = tl.load(c_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
+            _, ds = _silu_and_grad(x * a + c)
+            dy = dy * ds
+        dx = dy * kg + x * kx + k0
+        out, _ = _tile(dx_ptr, b, ps, cs, ps < P, cmask, o_b, o_p, o_c)
+        tl.store(dx_ptr + out, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# -- launch geometry ----------------------------------------------------------------------------
+
+# per kernel: (elements per tile, warps per program), the fastest of benchmarks/group_norm.py --sweep
+# on an H200 (bf16, channels-last, 4 x 256 x 512 x 640); and the reductions' programs per SM
+TILES = {"stats": (4096, 4), "apply": (2048, 4), "grad_sums": (2048, 4), "grad_apply": (4096, 8)}
+PROGRAMS_PER_SM = 8
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``t`` (B, C, *spatial) and its (sample, pixel, channel) strides, the spatial dims merged
+    into one pixel index (a copy when its layout does not allow that)."""
+    sizes, strides = t.shape[2:], t.stride()[2:]
+    # the spatial dims merge when each one's stride is the next one's stride times its size
+    if any(s != strides[i + 1] * sizes[i + 1] for i, s in enumerate(strides[:-1]) if sizes[i] > 1):
+        t = t.contiguous()
+        strides = t.stride()[2:]
+    return t, (t.stride(0), strides[-1] if sizes else 1, t.stride(1))
+
+
+def _blocks(channels: int, channels_fast: bool, elements: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_C) for a tile of about ``elements``: wide in channels when they are the
+    contiguous dim (channels-last), wide in pixels otherwise."""
+    cp = triton.next_power_of_2(channels)
+    block_c = min(cp, 256 if channels_fast else 8)
+    return max(1, elements // block_c), block_c
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _chunks(x: torch.Tensor, b: int, pixels: int, cblocks: int, block_p: int) -> tuple[int, int]:
+    """(tiles per chunk, chunks) for the reductions: enough programs to fill the GPU, and a power of
+    two of tiles per chunk (a constant of the kernel: few distinct kernels to compile)."""
+    sms = _multiprocessors(x.device) if x.is_cuda else 4
+    want = max(1, (PROGRAMS_PER_SM * sms) // (b * cblocks))  # chunks per (sample, channel block)
+    iters = triton.next_power_of_2(max(1, pixels // (want * block_p)))
+    return iters, math.ceil(pixels / (iters * block_p))
+
+
+# -- custom ops -------------------------------------------------------------------------------
+# Their outputs: partial sums as (B, chunks, C) float32 (combined in torch, deterministically),
+# tensors as ``empty_like`` of the input (its memory format).
+
+
+class _Reduction(NamedTuple):
+    """Launch geometry of the two reductions: programs over (chunks, samples, channel blocks)."""
+
+    x: torch.Tensor  # the input, its spatial dims mergeable into one
+    strides: tuple[int, int, int]  # (sample, pixel, channel)
+    pixels: int
+    block_p: int
+    block_c: int
+    cblocks: int
+    iters: int  # tiles per chunk
+    nchunks: int
+
+    @property
+    def chunk(self) -> int:  # pixels per chunk
+        return self.iters * self.block_p
+
+
+def _reduction(x: torch.Tensor, kernel: str) -> _Reduction:
+    b, c = x.shape[:2]
+    pixels = math.prod(x.shape[2:])
+    xf, strides = _flat(x)
+    block_p, block_c = _blocks(c, strides[2] == 1, TILES[kernel][0])
+    cblocks = triton.cdiv(c, block_c)
+    iters, nchunks = _chunks(x, b, pixels, cblocks, block_p)
+    return _Reduction(xf, strides, pixels, block_p, block_c, cblocks, iters, nchunks)
+
+
+def _partials(x: torch.Tensor, geo: _Reduction) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two (B, chunks, C) float32 tensors for a reduction's per-chunk results."""
+    part = x.new_empty(x.shape[0], geo.nchunks, x.shape[1], dtype=torch.float32)
+    return part, torch.empty_like(part)
+
+
+def _reduce(kernel, name: str, geo: _Reduction, b: int, args: tuple, **constants) -> None:
+    """Launch a reduction kernel over (chunks, samples, channel blocks)."""
+    grid = (geo.nchunks, b, geo.cblocks)
+    kernel[grid](
+        *args, **constants, ITERS=geo.iters, BLOCK_P=geo.block_p, BLOCK_C=geo.block_c, num_warps=TILES[name][1]
+    )
+
+
+@torch.library.custom_op("stormcast::gn_stats", mutates_args=())
+def gn_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk of pixels and channel: the mean and the sum of squared deviations, (B, chunks, C)."""
+    g = _reduction(x, "stats")
+    b, c = x.shape[:2]
+    mean, m2 = _partials(x, g)
+    _reduce(gn_fused_stats, "stats", g, b, (g.x, mean, m2, c, g.pixels, g.nchunks, *g.strides))
+    return mean, m2
+
+
+@gn_stats.register_fake
+def _(x):
+    return _partials(x, _reduction(x, "stats"))
+
+
+def _pointwise(kernel, name: str, out: torch.Tensor, x: torch.Tensor, tensors: tuple, coefficients: tuple, silu: bool):
+    """Launch a pointwise kernel over ``x``'s (pixels x channels) tiles: its arguments are the
+    ``tensors`` (flattened, then ``x`` itself), the per-channel ``coefficients``, ``out``, the
+    sizes, and every tensor's strides in that order."""
+    flat = [_flat(t) for t in (*tensors, x, out)]
+    b, ch = x.shape[:2]
+    pixels = math.prod(x.shape[2:])
+    block_p, block_c = _blocks(ch, flat[-2][1][2] == 1, TILES[name][0])
+    grid = (triton.cdiv(pixels, block_p), b, triton.cdiv(ch, block_c))
+    strides = [s for _, st in flat for s in st]
+    args = [t for t, _ in flat[:-1]] + list(coefficients) + [flat[-1][0], ch, pixels, *strides]
+    kernel[grid](*args, SILU=silu, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=TILES[name][1])
+    if flat[-1][0].data_ptr() != out.data_ptr():  # out's layout did not flatten: written to a copy
+        out.copy_(flat[-1][0])
+    return out
+
+
+@torch.library.custom_op("stormcast::gn_apply", mutates_args=())
+def gn_apply(x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, silu: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``x * a + c`` per (sample, channel), then SiLU if asked, in ``dtype``."""
+    return _pointwise(gn_fused_apply, "apply", torch.empty_like(x, dtype=dtype), x, (), (a, c), silu)
+
+
+@gn_apply.register_fake
+def _(x, a, c, silu, dtype):
+    return torch.empty_like(x, dtype=dtype)
+
+
+@torch.library.custom_op("stormcast::gn_grad_sums", mutates_args=())
+def gn_grad_sums(
+    g: torch.Tensor, x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, r: torch.Tensor, q: torch.Tensor, silu: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk of pixels and channel: the sums of ``dy`` and of ``dy * (x * r + q)`` (B, chunks, C),
+    ``dy`` being ``g`` through the SiLU of ``x * a + c`` when ``silu``."""
+    geo = _reduction(x, "grad_sums")
+    gf, gs = _flat(g)
+    b, ch = x.shape[:2]
+    s1, s2 = _partials(x, geo)
+    args = (gf, geo.x, a, c, r, q, s1, s2, ch, geo.pixels, geo.nchunks, *gs, *geo.strides)
+    _reduce(gn_fused_grad_sums, "grad_sums", geo, b, args, SILU=silu)
+    return s1, s2
+
+
+@gn_grad_sums.register_fake
+def _(g, x, a, c, r, q, silu):
+    return _partials(x, _reduction(x, "grad_sums"))
+
+
+@torch.library.custom_op("stormcast::gn_grad_apply", mutates_args=())
+def gn_grad_apply(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    c: torch.Tensor,
+    kg: torch.Tensor,
+    kx: torch.Tensor,
+    k0: torch.Tensor,
+    silu: bool,
+) -> torch.Tensor:
+    """``dy * kg + x * kx + k0`` per (sample, channel), in ``x``'s dtype and layout (``dy`` as above)."""
+    return _pointwise(gn_fused_grad_apply, "grad_apply", torch.empty_like(x), x, (g,), (a, c, kg, kx, k0), silu)
+
+
+@gn_grad_apply.register_fake
+def _(g, x, a, c, kg, kx, k0, silu):
+    return torch.empty_like(x)
+
+
+# -- the differentiable function ------------------------------------------------------------------
+
+
+def _combine(mean_p: torch.Tensor, m2_p: torch.Tensor, pixels: int, chunk: int):
+    """Per-channel mean and variance (B, C) from the chunks' partial moments (Chan's formula)."""
+    n = mean_p.shape[1]
+    counts = (pixels - torch.arange(n, device=mean_p.device) * chunk).clamp(max=chunk).to(mean_p.dtype)
+    counts = counts.reshape(1, n, 1)
+    mean = (mean_p * counts).sum(1) / pixels
+    m2 = m2_p.sum(1) + (counts * (mean_p - mean[:, None]).square()).sum(1)
+    return mean, m2 / pixels
+
+
+def _per_channel(t: torch.Tensor, c: int) -> torch.Tensor:
+    """(B, G) -> (B, C): each channel holding its group's value."""
+    b, g = t.shape
+    return t[:, :, None].expand(b, g, c // g).reshape(b, c)
+
+
+class _FusedGroupNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, shift, groups: int, eps: float, silu: bool, dtype: torch.dtype):
+        b, c = x.shape[:2]
+        pixels = math.prod(x.shape[2:])
+        mean_p, m2_p = gn_stats(x)
+        mean_c, var_c = _combine(mean_p, m2_p, pixels, _reduction(x, "stats").chunk)
+        if shift is not None:  # a per-(sample, channel) constant moves the mean only
+            mean_c = mean_c + shift.float()
+        mc, vc = mean_c.view(b, groups, -1), var_c.view(b, groups, -1)
+        mean_g = mc.mean(-1)
+        var_g = vc.mean(-1) + (mc - mean_g[..., None]).square().mean(-1)
+        rstd_g = torch.rsqrt(var_g + eps)
+        a, cc = _coefficients(mean_g, rstd_g, weight, bias, shift, c)
+        ctx.save_for_backward(x, weight, bias, shift, mean_c, mean_g, rstd_g)
+        ctx.groups, ctx.silu = groups, silu
+        return gn_apply(x, a, cc, silu, dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight, bias, shift, mean_c, mean_g, rstd_g = ctx.saved_tensors
+        b, c, groups = x.shape[0], x.shape[1], ctx.groups
+        pixels = math.prod(x.shape[2:])
+        a, cc = _coefficients(mean_g, rstd_g, weight, bias, shift, c)
+        r, m = _per_channel(rstd_g, c), _per_channel(mean_g, c)
+        s = shift.float() if shift is not None else torch.zeros_like(r)
+        q = (s - m) * r  # x_hat = x * r + q
+        part1, part2 = gn_grad_sums(gy, x, a, cc, r, q, ctx.silu)
+        s1, t = part1.sum(1), part2.sum(1)  # (B, C): sums of dy and of dy * x_hat
+        w = weight.float().reshape(1, c) if weight is not None else torch.ones_like(s1[:1])
+        n = (c // groups) * pixels
+        ga = _per_channel((w * s1).view(b, groups, -1).sum(-1) / n, c)  # the group means of dx_hat
+        gb = _per_channel((w * t).view(b, groups, -1).sum(-1) / n, c)  # and of dx_hat * x_hat
+        kg, kx = r * w, -r * r * gb  # dx = dy kg + x kx + k0
+        k0 = -r * ga + kx * (s - m)
+        dx = gn_grad_apply(gy, x, a, cc, kg, kx, k0, ctx.silu)
+        dw = t.sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        db = s1.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        dshift = None
+        if shift is not None and ctx.needs_input_grad[3]:  # the pixel sums of dx, from the sums above
+            sum_xhat = pixels * (mean_c - m) * r
+            dshift = (r * (w * s1 - pixels * ga - gb * sum_xhat)).to(shift.dtype)
+        return dx, dw, db, dshift, None, None, None, None
+
+
+def _coefficients(mean_g, rstd_g, weight, bias, shift, c: int):
+    """(B, C) ``a``, ``c`` with ``norm(x + shift) * weight + bias == x * a + c``."""
+    r, m = _per_channel(rstd_g, c), _per_channel(mean_g, c)
+    a = r * weight.float().reshape(1, c) if weight is not None else r
+    cc = -m * a if shift is None else (shift.float() - m) * a
+    if bias is not None:
+        cc = cc + bias.float().reshape(1, c)
+    return a, cc
+
+
+def group_norm(
+    x: torch.Tensor,
+    groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    shift: torch.Tensor | None = None,
+    silu: bool = False,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``F.group_norm(x + shift)``, then SiLU if ``silu``, in ``dtype`` (default ``x``'s), by the
+    kernels above; statistics and arithmetic in float32. ``shift``: None or (B, C) (any shape
+    of B x C elements), added to every pixel of its sample and channel."""
+    b, c = x.shape[:2]
+    if shift is not None:
+        shift = shift.reshape(b, c)
+    return _FusedGroupNorm.apply(x, weight, bias, shift, groups, eps, silu, dtype or x.dtype)

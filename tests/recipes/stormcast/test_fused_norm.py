@@ -1,0 +1,112 @@
+"""The Triton GroupNorm (+ SiLU) kernels of the compiled SongUNet blocks (recipes/stormcast/fused_norm.py).
+
+On CPU they run under Triton's interpreter: `.ci/run` runs this file with Triton on the path and
+``TRITON_INTERPRET=1`` (the README's suite, without Triton, skips it), with the compiled UNet
+block test of test_songunet.py in its "fused" form. The ``gpu`` tests run the compiled kernels
+on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from recipes.stormcast import fused_norm  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 set before Triton is imported")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _reference(x, groups, w, b, eps, shift, silu):
+    if shift is not None:
+        x = x + shift.reshape(*shift.shape, *(1,) * (x.dim() - 2))
+    y = F.group_norm(x, groups, w, b, eps)
+    return F.silu(y) if silu else y
+
+
+def _values_and_grads(fn, x, w, b, shift, dy, groups, silu):
+    leaves = [t.clone().requires_grad_() for t in (x, w, b) + ((shift,) if shift is not None else ())]
+    y = fn(leaves[0], groups, leaves[1], leaves[2], 1e-6, leaves[3] if shift is not None else None, silu)
+    return (y, *torch.autograd.grad(y, leaves, dy))
+
+
+def _fused(x, groups, w, b, eps, shift, silu):
+    return fused_norm.group_norm(x, groups, w, b, eps, shift=shift, silu=silu)
+
+
+def _check_against_float64(device, shape, groups, channels_last, with_shift, silu, dtype=torch.float32):
+    """Forward and every gradient of the fused path against F.group_norm in float64, on inputs whose
+    mean is far from zero (where E[x^2] - E[x]^2 and uncentred gradient sums would cancel): no worse
+    than torch's own kernels in the same dtype, within a small absolute floor."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 3 + 20
+    w, b = (
+        torch.randn(shape[1], generator=g, dtype=torch.float64),
+        torch.randn(shape[1], generator=g, dtype=torch.float64),
+    )
+    shift = torch.randn(shape[0], shape[1], generator=g, dtype=torch.float64) if with_shift else None
+    dy = torch.randn(*shape, generator=g, dtype=torch.float64)
+    ref = _values_and_grads(_reference, x, w, b, shift, dy, groups, silu)
+
+    def cast(t):
+        t = None if t is None else t.to(device=device, dtype=dtype)
+        return (
+            t.contiguous(memory_format=torch.channels_last) if t is not None and t.dim() == 4 and channels_last else t
+        )
+
+    args = [cast(t) for t in (x, w, b, shift, dy)]
+    got = _values_and_grads(_fused, *args, groups, silu)
+    torch_ = _values_and_grads(_reference, *args, groups, silu)
+    names = ("y", "dx", "dweight", "dbias", "dshift")
+    for name, r, f, t in zip(names, ref, got, torch_):
+        r, f, t = r.detach(), f.detach(), t.detach()
+        assert f.dtype == dtype and f.shape == r.shape, name
+        scale = r.abs().max()
+        err_fused = float((f.double().cpu() - r).abs().max() / scale)
+        err_torch = float((t.double().cpu() - r).abs().max() / scale)
+        assert err_fused <= max(4 * err_torch, 2e-6 if dtype == torch.float32 else 2e-2), (name, err_fused, err_torch)
+    if channels_last:  # the output and the input gradient keep the layout: a compiled graph stays channels-last
+        assert got[0].is_contiguous(memory_format=torch.channels_last)
+        assert got[1].is_contiguous(memory_format=torch.channels_last)
+
+
+CASES = [  # shape, groups, channels-last, shift, silu
+    ((2, 16, 5, 7), 4, True, True, True),
+    ((2, 16, 5, 7), 4, False, False, True),
+    ((3, 12, 9, 4), 3, True, True, False),
+    ((2, 8, 33, 40), 2, True, True, True),  # several chunks per reduction, the last one partial
+    ((2, 6, 17), 3, False, True, True),  # 1-D spatial
+]
+
+
+@interpreted
+@pytest.mark.parametrize("shape,groups,channels_last,with_shift,silu", CASES)
+def test_fused_group_norm_equals_torchs(shape, groups, channels_last, with_shift, silu):
+    _check_against_float64("cpu", shape, groups, channels_last, with_shift, silu)
+
+
+@interpreted
+def test_fused_group_norm_takes_any_layout_and_writes_the_asked_dtype():
+    """A view whose pixels do not merge into one stride (a crop) is read correctly, and the output
+    is written in the dtype asked for (the convolution's, under autocast)."""
+    x = torch.randn(2, 8, 12, 10)[:, :, 1:-1, 2:-1]
+    assert not x.is_contiguous()
+    y = fused_norm.group_norm(x, 2, None, None, 1e-5, silu=True, dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.silu(F.group_norm(x, 2, eps=1e-5)), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "shape,groups,channels_last,with_shift,silu", CASES + [((4, 256, 64, 80), 32, True, True, True)]
+)
+def test_fused_group_norm_equals_torchs_on_gpu(shape, groups, channels_last, with_shift, silu, dtype):
+    _check_against_float64("cuda", shape, groups, channels_last, with_shift, silu, dtype)
