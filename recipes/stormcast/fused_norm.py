@@ -37,6 +37,8 @@ from typing import NamedTuple
 
 import torch
 
+from recipes.stormcast.group_stats import group_moments, input_grad_coefficients, spread
+
 try:
     import triton
     import triton.language as tl
@@ -176,15 +178,25 @@ TILES = {"stats": (4096, 4), "apply": (2048, 4), "grad_sums": (2048, 4), "grad_a
 PROGRAMS_PER_SM = 8
 
 
+def _mergeable(t: torch.Tensor) -> bool:
+    """``t``'s spatial dims merge into one pixel index: each one's stride is the next one's
+    stride times its size."""
+    sizes, strides = t.shape[2:], t.stride()[2:]
+    return all(s == strides[i + 1] * sizes[i + 1] for i, s in enumerate(strides[:-1]) if sizes[i] > 1)
+
+
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``t`` (B, C, *spatial) and its (sample, pixel, channel) strides, the spatial dims merged
     into one pixel index (a copy when its layout does not allow that)."""
-    sizes, strides = t.shape[2:], t.stride()[2:]
-    # the spatial dims merge when each one's stride is the next one's stride times its size
-    if any(s != strides[i + 1] * sizes[i + 1] for i, s in enumerate(strides[:-1]) if sizes[i] > 1):
+    if not _mergeable(t):
         t = t.contiguous()
-        strides = t.stride()[2:]
-    return t, (t.stride(0), strides[-1] if sizes else 1, t.stride(1))
+    return t, (t.stride(0), t.stride(-1) if t.dim() > 2 else 1, t.stride(1))
+
+
+def _channels_fast(t: torch.Tensor) -> bool:
+    """Channels are the contiguous dim of ``_flat(t)`` (channels-last), known without copying
+    (a copy ``_flat`` makes is contiguous: channels not fast)."""
+    return _mergeable(t) and t.stride(1) == 1
 
 
 def _blocks(channels: int, channels_fast: bool, elements: int) -> tuple[int, int]:
@@ -217,8 +229,6 @@ def _chunks(x: torch.Tensor, b: int, pixels: int, cblocks: int, block_p: int) ->
 class _Reduction(NamedTuple):
     """Launch geometry of the two reductions: programs over (chunks, samples, channel blocks)."""
 
-    x: torch.Tensor  # the input, its spatial dims mergeable into one
-    strides: tuple[int, int, int]  # (sample, pixel, channel)
     pixels: int
     block_p: int
     block_c: int
@@ -232,13 +242,13 @@ class _Reduction(NamedTuple):
 
 
 def _reduction(x: torch.Tensor, kernel: str) -> _Reduction:
+    """From ``x``'s sizes and layout alone (no copy: the forward asks again for its chunk size)."""
     b, c = x.shape[:2]
     pixels = math.prod(x.shape[2:])
-    xf, strides = _flat(x)
-    block_p, block_c = _blocks(c, strides[2] == 1, TILES[kernel][0])
+    block_p, block_c = _blocks(c, _channels_fast(x), TILES[kernel][0])
     cblocks = triton.cdiv(c, block_c)
     iters, nchunks = _chunks(x, b, pixels, cblocks, block_p)
-    return _Reduction(xf, strides, pixels, block_p, block_c, cblocks, iters, nchunks)
+    return _Reduction(pixels, block_p, block_c, cblocks, iters, nchunks)
 
 
 def _partials(x: torch.Tensor, geo: _Reduction) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,7 +271,8 @@ def gn_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = _reduction(x, "stats")
     b, c = x.shape[:2]
     mean, m2 = _partials(x, g)
-    _reduce(gn_fused_stats, "stats", g, b, (g.x, mean, m2, c, g.pixels, g.nchunks, *g.strides))
+    xf, xs = _flat(x)
+    _reduce(gn_fused_stats, "stats", g, b, (xf, mean, m2, c, g.pixels, g.nchunks, *xs))
     return mean, m2
 
 
@@ -277,7 +288,7 @@ def _pointwise(kernel, name: str, out: torch.Tensor, x: torch.Tensor, tensors: t
     flat = [_flat(t) for t in (*tensors, x, out)]
     b, ch = x.shape[:2]
     pixels = math.prod(x.shape[2:])
-    block_p, block_c = _blocks(ch, flat[-2][1][2] == 1, TILES[name][0])
+    block_p, block_c = _blocks(ch, _channels_fast(x), TILES[name][0])
     grid = (triton.cdiv(pixels, block_p), b, triton.cdiv(ch, block_c))
     strides = [s for _, st in flat for s in st]
     args = [t for t, _ in flat[:-1]] + list(coefficients) + [flat[-1][0], ch, pixels, *strides]
@@ -308,7 +319,8 @@ def gn_grad_sums(
     gf, gs = _flat(g)
     b, ch = x.shape[:2]
     s1, s2 = _partials(x, geo)
-    args = (gf, geo.x, a, c, r, q, s1, s2, ch, geo.pixels, geo.nchunks, *gs, *geo.strides)
+    xf, xs = _flat(x)
+    args = (gf, xf, a, c, r, q, s1, s2, ch, geo.pixels, geo.nchunks, *gs, *xs)
     _reduce(gn_fused_grad_sums, "grad_sums", geo, b, args, SILU=silu)
     return s1, s2
 
@@ -351,12 +363,6 @@ def _combine(mean_p: torch.Tensor, m2_p: torch.Tensor, pixels: int, chunk: int):
     return mean, m2 / pixels
 
 
-def _per_channel(t: torch.Tensor, c: int) -> torch.Tensor:
-    """(B, G) -> (B, C): each channel holding its group's value."""
-    b, g = t.shape
-    return t[:, :, None].expand(b, g, c // g).reshape(b, c)
-
-
 class _FusedGroupNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, shift, groups: int, eps: float, silu: bool, dtype: torch.dtype):
@@ -366,11 +372,9 @@ class _FusedGroupNorm(torch.autograd.Function):
         mean_c, var_c = _combine(mean_p, m2_p, pixels, _reduction(x, "stats").chunk)
         if shift is not None:  # a per-(sample, channel) constant moves the mean only
             mean_c = mean_c + shift.float()
-        mc, vc = mean_c.view(b, groups, -1), var_c.view(b, groups, -1)
-        mean_g = mc.mean(-1)
-        var_g = vc.mean(-1) + (mc - mean_g[..., None]).square().mean(-1)
+        mean_g, var_g = group_moments(mean_c, var_c, groups)
         rstd_g = torch.rsqrt(var_g + eps)
-        a, cc = _coefficients(mean_g, rstd_g, weight, bias, shift, c)
+        a, cc = _coefficients(spread(rstd_g, c, 0), _offset(mean_g, shift, c), weight, bias)
         ctx.save_for_backward(x, weight, bias, shift, mean_c, mean_g, rstd_g)
         ctx.groups, ctx.silu = groups, silu
         return gn_apply(x, a, cc, silu, dtype)
@@ -378,38 +382,35 @@ class _FusedGroupNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, weight, bias, shift, mean_c, mean_g, rstd_g = ctx.saved_tensors
-        b, c, groups = x.shape[0], x.shape[1], ctx.groups
+        c, groups = x.shape[1], ctx.groups
         pixels = math.prod(x.shape[2:])
-        a, cc = _coefficients(mean_g, rstd_g, weight, bias, shift, c)
-        r, m = _per_channel(rstd_g, c), _per_channel(mean_g, c)
-        s = shift.float() if shift is not None else torch.zeros_like(r)
-        q = (s - m) * r  # x_hat = x * r + q
-        part1, part2 = gn_grad_sums(gy, x, a, cc, r, q, ctx.silu)
+        r, off = spread(rstd_g, c, 0), _offset(mean_g, shift, c)
+        a, cc = _coefficients(r, off, weight, bias)
+        part1, part2 = gn_grad_sums(gy, x, a, cc, r, off * r, ctx.silu)  # x_hat = x * r + off * r
         s1, t = part1.sum(1), part2.sum(1)  # (B, C): sums of dy and of dy * x_hat
         w = weight.float().reshape(1, c) if weight is not None else torch.ones_like(s1[:1])
         n = (c // groups) * pixels
-        ga = _per_channel((w * s1).view(b, groups, -1).sum(-1) / n, c)  # the group means of dx_hat
-        gb = _per_channel((w * t).view(b, groups, -1).sum(-1) / n, c)  # and of dx_hat * x_hat
-        kg, kx = r * w, -r * r * gb  # dx = dy kg + x kx + k0
-        k0 = -r * ga + kx * (s - m)
+        kg, kx, k0, ga, gb = input_grad_coefficients(s1, t, w, r, off, groups, n)
         dx = gn_grad_apply(gy, x, a, cc, kg, kx, k0, ctx.silu)
         dw = t.sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = s1.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         dshift = None
         if shift is not None and ctx.needs_input_grad[3]:  # the pixel sums of dx, from the sums above
-            sum_xhat = pixels * (mean_c - m) * r
+            sum_xhat = pixels * (mean_c - spread(mean_g, c, 0)) * r
             dshift = (r * (w * s1 - pixels * ga - gb * sum_xhat)).to(shift.dtype)
         return dx, dw, db, dshift, None, None, None, None
 
 
-def _coefficients(mean_g, rstd_g, weight, bias, shift, c: int):
-    """(B, C) ``a``, ``c`` with ``norm(x + shift) * weight + bias == x * a + c``."""
-    r, m = _per_channel(rstd_g, c), _per_channel(mean_g, c)
-    a = r * weight.float().reshape(1, c) if weight is not None else r
-    cc = -m * a if shift is None else (shift.float() - m) * a
-    if bias is not None:
-        cc = cc + bias.float().reshape(1, c)
-    return a, cc
+def _offset(mean_g, shift, c: int):
+    """(B, C): the shift less the group mean, so that ``x_hat = (x + offset) * rstd``."""
+    m = spread(mean_g, c, 0)
+    return -m if shift is None else shift.float() - m
+
+
+def _coefficients(r, off, weight, bias):
+    """(B, C) ``a``, ``c`` with ``x_hat * weight + bias == x * a + c``, for ``x_hat = (x + off) * r``."""
+    a = r * weight.float().reshape(1, -1) if weight is not None else r
+    return a, off * a if bias is None else off * a + bias.float().reshape(1, -1)
 
 
 def group_norm(

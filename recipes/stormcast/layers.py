@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.stormcast import fused_norm
+from recipes.stormcast.group_stats import group_moments, input_grad_coefficients, spread
 
 
 def _xavier_uniform_(tensor: torch.Tensor, fan_in: int, fan_out: int, gain: float) -> None:
@@ -145,46 +146,38 @@ class GroupNorm(nn.Module):
     def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
         """GroupNorm of ``x + shift`` (``shift``: one value per sample and channel, (B, C) or
         (B, C, 1, 1)), then SiLU if ``silu``."""
-        w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
         if self.compiled_form == "fused" and torch.compiler.is_compiling() and fused_norm.available(x):
             # in the dtype the convolution after it computes in: the same values, half the bytes
             out = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
+            w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
             return fused_norm.group_norm(x, self.num_groups, w, b, self.eps, shift=shift, silu=silu, dtype=out)
         if shift is not None:
             x = x + shift.reshape(*shift.shape[:2], *(1,) * (x.dim() - 2))
+        y = self.normalise(x)
+        return F.silu(y) if silu else y
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalisation alone (what a variant of this GroupNorm overrides)."""
+        w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
         if self.compiled_form != "aten" and torch.compiler.is_compiling():
             explicit = self.compiled_form != "composite"
-            y = group_norm_by_channel(x, self.num_groups, w, b, self.eps, explicit=explicit)
-        else:
-            y = F.group_norm(x, self.num_groups, w, b, self.eps)
-        return F.silu(y) if silu else y
+            return group_norm_by_channel(x, self.num_groups, w, b, self.eps, explicit=explicit)
+        return F.group_norm(x, self.num_groups, w, b, self.eps)
 
 
 def _moments(xf: torch.Tensor, groups: int):
-    """Per-channel means (B, C), and the groups' means and reciprocal deviations as (B, C) tensors
-    (each channel holding its group's): equal counts, so the group mean is its channels' mean and
-    the group variance their variances' mean plus the variance of their means."""
-    b, c = xf.shape[:2]
+    """Per-channel means (B, C), and the groups' means and variances (B, G, 1)."""
     var_c, mean_c = torch.var_mean(xf, dim=tuple(range(2, xf.dim())), correction=0)
-    mc, vc = mean_c.view(b, groups, c // groups), var_c.view(b, groups, c // groups)
-    mean = mc.mean(-1, keepdim=True)
-    var = vc.mean(-1, keepdim=True) + (mc - mean).square().mean(-1, keepdim=True)
-    return mean_c, mean, var
-
-
-def _spread(t: torch.Tensor, c: int, dims: int) -> torch.Tensor:
-    """(B, G, 1) or (B, G, C/G) -> (B, C, 1, ...) for broadcasting against (B, C, *spatial)."""
-    b = t.shape[0]
-    return t.expand(b, t.shape[1], c // t.shape[1]).reshape(b, c, *(1,) * dims)
+    return mean_c, *group_moments(mean_c, var_c, groups)
 
 
 def _normalise(xf, mean, rstd, weight, bias) -> torch.Tensor:
     """(x - group mean) * group rstd * weight + bias, with the groups' (B, G, 1) statistics."""
     c, dims = xf.shape[1], xf.dim() - 2
-    scale = _spread(rstd, c, dims)
+    scale = spread(rstd, c, dims)
     if weight is not None:
         scale = scale * weight.to(xf.dtype).reshape(1, c, *(1,) * dims)
-    y = (xf - _spread(mean, c, dims)) * scale
+    y = (xf - spread(mean, c, dims)) * scale
     if bias is not None:
         y = y + bias.to(xf.dtype).reshape(1, c, *(1,) * dims)
     return y
@@ -227,16 +220,12 @@ class _GroupNormByChannel(torch.autograd.Function):
         pix = tuple(range(2, x.dim()))
         s1 = g.sum(pix)  # (B, C): sum of the gradient
         s2 = (g * (xf - mean_c.reshape(b, c, *(1,) * dims))).sum(pix)  # centred by channel: no cancellation
-        mean_b, rstd_b = _spread(mean, c, 0), _spread(rstd, c, 0)  # (B, C)
+        mean_b, rstd_b = spread(mean, c, 0), spread(rstd, c, 0)  # (B, C)
         t = rstd_b * (s2 + (mean_c - mean_b) * s1)  # sum of gradient x normalised input
         w = weight.to(xf.dtype).reshape(1, c) if weight is not None else torch.ones_like(s1[:1])
         n = (c // groups) * math.prod(x.shape[2:])
-        ga = (w * s1).view(b, groups, -1).sum(-1, keepdim=True) / n  # the group means of dxhat, dxhat*xhat
-        gb = (w * t).view(b, groups, -1).sum(-1, keepdim=True) / n
-        ga, gb = _spread(ga, c, 0), _spread(gb, c, 0)
-        k_g = (rstd_b * w).reshape(b, c, *(1,) * dims)  # dx = g k_g + x k_x + k_0
-        k_x = (-rstd_b * rstd_b * gb).reshape(b, c, *(1,) * dims)
-        k_0 = (rstd_b * (rstd_b * gb * mean_b - ga)).reshape(b, c, *(1,) * dims)
+        coefficients = input_grad_coefficients(s1, t, w, rstd_b, -mean_b, groups, n)[:3]
+        k_g, k_x, k_0 = (k.reshape(b, c, *(1,) * dims) for k in coefficients)  # dx = g k_g + x k_x + k_0
         dx = (g * k_g + xf * k_x + k_0).to(x.dtype)
         dw = t.sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = s1.sum(0).to(gy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None

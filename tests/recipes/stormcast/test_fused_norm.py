@@ -1,8 +1,8 @@
 """The Triton GroupNorm (+ SiLU) kernels of the compiled SongUNet blocks (recipes/stormcast/fused_norm.py).
 
-On CPU they run under Triton's interpreter: `.ci/run` runs this file with Triton on the path and
-``TRITON_INTERPRET=1`` (the README's suite, without Triton, skips it), with the compiled UNet
-block test of test_songunet.py in its "fused" form. The ``gpu`` tests run the compiled kernels
+On CPU they run under Triton's interpreter: `.ci/run` runs this file with ``TRITON_INTERPRET=1``
+(set before Triton is imported; the README's suite, without it, skips them), with the compiled
+UNet block test of test_songunet.py in its "fused" form. The ``gpu`` tests run the compiled kernels
 on CUDA.
 """
 

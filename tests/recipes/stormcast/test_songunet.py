@@ -254,7 +254,7 @@ def test_compiled_block_trains_like_the_eager_one(form, channels_last, monkeypat
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("filename", ["songunet.py", "layers.py", "fused_norm.py"])
+@pytest.mark.parametrize("filename", ["songunet.py", "layers.py", "fused_norm.py", "group_stats.py"])
 def test_model_code_does_not_import_framework(filename):
     tree = ast.parse((STORMCAST_DIR / filename).read_text())
     imported = []
