@@ -70,7 +70,7 @@ def run_variant(name: str, args, inputs, grad_out, ref) -> dict:
     import torch
 
     from framework.train.compile import compile_model
-    from recipes.stormcast.layers import GroupNorm, UNetBlock
+    from recipes.stormcast.layers import UNetBlock, set_compiled_form
 
     cin, skip_c, cout, rows, cols, kw = BLOCKS[args.block]
     torch._dynamo.reset()
@@ -79,7 +79,7 @@ def run_variant(name: str, args, inputs, grad_out, ref) -> dict:
     model = torch.nn.ModuleList([block])  # a container: find_units picks the block by its class
     opts, kws = VARIANTS.get(name, ({}, {}))  # eager: nothing compiled
     kws = dict(kws)
-    GroupNorm.compiled_form = kws.pop("gn", "explicit")
+    set_compiled_form(model, kws.pop("gn", "explicit"))
     out: dict = {"variant": name, "options": opts, **kws}
     try:
         if name != "eager":

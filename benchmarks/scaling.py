@@ -35,6 +35,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -117,7 +118,8 @@ def _variant(text: str) -> dict:
         if k.startswith("opt."):
             out.setdefault("options", {})[k[4:]] = bool(val) if val in (0, 1) and isinstance(val, int) else val
             continue
-        out[k] = bool(val) if k in ("channels_last", "cudnn_benchmark", "dynamic") and isinstance(val, int) else val
+        flag = k in ("channels_last", "cudnn_benchmark", "dynamic", "cudagraphs")
+        out[k] = bool(val) if flag and isinstance(val, int) else val
     return out
 
 
@@ -306,10 +308,11 @@ def worker(args) -> None:
             torch.backends.cudnn.benchmark = True
         if args.compile:
             from framework.train.compile import compile_model
-            from recipes.stormcast.layers import GroupNorm
+            from recipes.stormcast.layers import set_compiled_form
 
             variant = _variant(args.variant)
-            GroupNorm.compiled_form = variant.pop("gn", "explicit")
+            if "gn" in variant:  # else the model's default (fused on CUDA)
+                set_compiled_form(model, variant.pop("gn"))
             compiled = compile_model(model, device_type=device.type, **variant)
         jobs = []
         if compiled is not None:  # as the runtime does (trainer.compile_workers)
@@ -407,6 +410,8 @@ def worker(args) -> None:
             "samples_per_s": b * topo.dp_size / dt,
             "samples_per_s_per_gpu": b * topo.dp_size / dt / env.world_size,
             "peak_mem_gib": (torch.cuda.max_memory_allocated(device) if cuda else 0) / 2**30,
+            # what the allocator holds: with CUDA graphs the pool's memory counts here, not above
+            "peak_reserved_gib": (torch.cuda.max_memory_reserved(device) if cuda else 0) / 2**30,
             "state_gib": (2 * _local_bytes(params) + _local_bytes(state)) / 2**30,
             "flop_step_s": flop_step_s,
             "first_step_s": first_step_s,
@@ -418,10 +423,10 @@ def worker(args) -> None:
             result["compile_stats"] = {k: v for k, v in compiled.stats().items() if k != "break_reasons"}
             result["compile_stats"]["enabled"] = compiled.enabled
             result["channels_last"] = compiled.channels_last
-        if args.profile and env.is_main:
-            result["profile"] = profile_steps(t, batch, args, device)
-        if env.is_main:
+        if env.is_main:  # before the profile: a profile cut short keeps the measurement
             print("RESULT " + json.dumps(result), flush=True)
+        if args.profile and env.is_main:
+            profile_steps(t, batch, args, device)
 
 
 def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None = None) -> dict:
@@ -466,7 +471,22 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
         + (["--profile", str(args.profile)] if args.profile else [])
     )
     print(f"launch: {sharding} x{gpus} {'compiled' if compile else 'eager'}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    # its own process group: a run past --worker-timeout is stopped with its workers, and what it
+    # printed (a RESULT before a long profile) is kept
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ), start_new_session=True
+    ) as p:
+        try:
+            out, err = p.communicate(timeout=args.worker_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGTERM)  # torchrun stops its workers (their own sessions) on SIGTERM
+            try:
+                out, err = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, err = p.communicate()
+            err += f"\nstopped after --worker-timeout {args.worker_timeout} s"
+    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if args.log_dir:
         tag = f"{sharding}_x{gpus}_d{domain}_{'compiled' if compile else 'eager'}"
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -511,6 +531,7 @@ def main(argv=None) -> None:
     ap.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark on (eager too)")
     ap.add_argument("--profile", type=Path, default=None, help="write a kernel-time table per run into this dir")
     ap.add_argument("--log-dir", type=Path, default=None, help="driver: keep each run's stdout/stderr here")
+    ap.add_argument("--worker-timeout", type=float, default=None, help="driver: stop a run after this many seconds")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
     ap.add_argument("--domain", type=int, default=1, help="worker: domain ranks per sample")
     ap.add_argument(
@@ -563,7 +584,7 @@ def print_table(runs: list[dict], args) -> None:
     )
     print(
         f"{'layout':>8} {'gpus':>4} {'mode':>8} {'samples/s':>10} {'/GPU':>7} {'x eager':>7} {'MFU':>6} "
-        f"{'peak GiB/GPU':>12} {'p+g+opt GiB':>11} {'1st step s':>10} {'precomp s':>9}"
+        f"{'peak GiB/GPU':>12} {'reserved':>8} {'p+g+opt GiB':>11} {'1st step s':>10} {'precomp s':>9}"
     )
     for r in runs:
         eager = next(
@@ -575,7 +596,8 @@ def print_table(runs: list[dict], args) -> None:
         print(
             f"{r['sharding']:>8} {r['gpus']:>4} {'compiled' if r['compile'] else 'eager':>8} "
             f"{r['samples_per_s']:>10.2f} {r['samples_per_s_per_gpu']:>7.2f} {ratio:>7} {_pct(r['mfu']):>6} "
-            f"{r['peak_mem_gib']:>12.1f} {r['state_gib']:>11.3f} {first:>10} {pre:>9}"
+            f"{r['peak_mem_gib']:>12.1f} {r.get('peak_reserved_gib', 0):>8.1f} {r['state_gib']:>11.3f} "
+            f"{first:>10} {pre:>9}"
         )
         if r.get("compile_stats"):
             c = r["compile_stats"]
@@ -583,7 +605,7 @@ def print_table(runs: list[dict], args) -> None:
                 f"{'':>8} compile: {c.get('cached_graphs')} graphs for {c.get('units')} units, "
                 f"{c.get('recompiles')} recompiles, {c.get('graph_breaks')} graph breaks, "
                 f"inductor built {c.get('built')} / loaded {c.get('loaded')} graphs, "
-                f"channels_last={r.get('channels_last')}"
+                f"channels_last={r.get('channels_last')}, CUDA graph skips {c.get('cudagraph_skips', '-')}"
             )
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))

@@ -28,6 +28,7 @@ from framework.logging import Sink
 from framework.logging.console import ConsoleSink
 from framework.logging.jsonl import JsonlSink
 from framework.task import Task
+from framework.train import compile as compile_mod
 from framework.train import optim as optim_mod
 from framework.train import schedule as schedule_mod
 
@@ -132,6 +133,14 @@ def _check_layout(run, degrees) -> None:
         raise ConfigError(
             f"parallel.domain={degrees.domain} needs splitter=rows (or parallel=fsdp2_domain / parallel=domain)"
         )
+    if run.trainer.compile_cudagraphs and (
+        run.sharding.name not in compile_mod.CUDAGRAPH_SHARDINGS or degrees.domain > 1
+    ):
+        layout = f"sharding={run.sharding.name}" + (f", parallel.domain={degrees.domain}" if degrees.domain > 1 else "")
+        raise ConfigError(
+            f"trainer.compile_cudagraphs=true cannot apply to {layout}: CUDA graphs need parameters "
+            "at fixed addresses and no domain collectives (sharding=none or ddp); set it to null or false"
+        )
     if degrees.domain > 1:
         from framework.domain.splitter import model_plan
 
@@ -221,6 +230,9 @@ def _run(run, run_dir: Path, env, degrees, device) -> JobResult:
             deterministic=run.deterministic,
             cache_dir=run_dir / "compile_cache",
             memory_budget=run.trainer.compile_memory_budget,
+            cudagraphs=compile_mod.cudagraphs_wanted(
+                run.trainer.compile_cudagraphs, device.type, run.sharding.name, degrees.domain
+            ),
         )
         micro = run.data.batch_size // degrees.dp // run.trainer.grad_accum
         jobs = precompile.plan_jobs(run.trainer.compile_workers, compiled, model, task, micro, precision, device)

@@ -29,6 +29,10 @@ cuDNN's NHWC kernels then need no transposes. What makes it pay is the model's: 
 whose reductions read NHWC well under compile, and blocks that hand back dense gradients, so no
 compiled backward copies what it receives (the UNet recipe's layers do both).
 
+CUDA graphs (``trainer.compile_cudagraphs``): the blocks' graphs replayed through inductor's
+cudagraph trees, one launch per graph, where the parameters stay at fixed addresses (sharding
+``none`` or ``ddp``, no domain split); see ``_replay_as_cuda_graphs``.
+
 Only training steps (grad enabled) run compiled; validation and sampling (no_grad) run the
 eager forward, so they cost no second set of compiles.
 
@@ -60,6 +64,21 @@ def compile_wanted(setting: bool | None, device_type: str) -> bool:
     """``trainer.compile``: true and false as said; null (auto, the GPU presets) compiles on CUDA,
     where it pays (1.9x the eager step for the regression preset), and leaves CPU runs eager."""
     return setting if setting is not None else device_type == "cuda"
+
+
+# layouts whose parameters keep their addresses from step to step, as a replayed CUDA graph needs
+# (FSDP2 gathers its parameters into new storage every step; domain layouts' collectives are not
+# captured)
+CUDAGRAPH_SHARDINGS = ("none", "ddp")
+
+
+def cudagraphs_wanted(setting: bool | None, device_type: str, sharding: str, domain: int) -> bool:
+    """``trainer.compile_cudagraphs``: null (auto) turns them on where they apply: CUDA, sharding
+    ``none`` or ``ddp``, no domain split. (``true`` where they cannot apply is refused by the
+    config validation.)"""
+    if setting is not None:
+        return setting
+    return device_type == "cuda" and sharding in CUDAGRAPH_SHARDINGS and domain <= 1
 
 
 def dispatch_mode_active() -> bool:
@@ -116,6 +135,7 @@ def dynamo_counts(codes=()) -> dict:
         "loaded": int(inductor["fxgraph_cache_hit"]),  # graphs it loaded from its cache
         # joint graphs AOTAutograd loaded from its cache (no tracing, no partitioning)
         "aot_loaded": int(counters["aot_autograd"]["autograd_cache_hit"]),
+        "cudagraph_skips": int(inductor["cudagraph_skips"]),  # graphs inductor would not capture
     }
 
 
@@ -132,6 +152,7 @@ class Compiled:
     codes: list = field(default_factory=list)
     compile_kwargs: dict = field(default_factory=dict)  # torch.compile's: backend, dynamic, options
     memory_budget: float = 1.0  # AOTAutograd's activation_memory_budget
+    cudagraphs: bool = False  # the compiled graphs replayed as CUDA graphs
     units_list: list = field(default_factory=list)  # (name, module) of the compiled units
     _base: dict = field(default_factory=dict)
 
@@ -141,7 +162,7 @@ class Compiled:
 
     def stats(self) -> dict:
         now = dynamo_counts(self.codes)
-        counted = ("graphs", "frames", "graph_breaks", "built", "loaded", "aot_loaded")
+        counted = ("graphs", "frames", "graph_breaks", "built", "loaded", "aot_loaded", "cudagraph_skips")
         out = {k: now[k] - self._base.get(k, 0) for k in counted}
         out.update(
             cached_graphs=now["cached"],
@@ -161,6 +182,7 @@ class Compiled:
             f"(one per distinct block signature, limit {torch._dynamo.config.recompile_limit}), "
             f"{s['graph_breaks']} graph breaks; inductor built {s['built']} forward/backward graphs "
             f"and loaded {s['loaded']} from its cache ({s['aot_loaded']} joint graphs from AOTAutograd's)"
+            + (f"; CUDA graphs on, {s['cudagraph_skips']} graphs not captured" if self.cudagraphs else "")
         )
 
 
@@ -253,6 +275,7 @@ def compile_model(
     options: dict | None = None,
     dynamic: bool | None = False,
     memory_budget: float = 1.0,
+    cudagraphs: bool = False,
 ) -> Compiled:
     """Compile ``model``'s repeated blocks in place (before sharding); see the module doc.
 
@@ -261,6 +284,9 @@ def compile_model(
     ``cudnn_benchmark``: None turns it on for CUDA unless ``deterministic``. ``options``: inductor
     config patches. ``dynamic``: torch.compile's (False: static shapes, one graph per block
     signature). ``memory_budget``: ``trainer.compile_memory_budget`` (``set_memory_budget``).
+    ``cudagraphs``: ``trainer.compile_cudagraphs`` (``_replay_as_cuda_graphs``). Before compiling,
+    every module of ``model`` with a ``configure_compile(*, cudagraphs)`` method is told whether
+    the graphs will replay as CUDA graphs (a model's layer may pick its kernels by it).
     """
     from framework.distributed.sharding import find_units
 
@@ -290,9 +316,15 @@ def compile_model(
         # whose output has half its input channels (the decoder's), and leaves its intermediate
         # buffers (the conv inputs) NCHW, so cuDNN transposed in and out of every conv.
         options.setdefault("force_layout_optimization", True)
+    if cudagraphs and device_type == "cuda":
+        options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
     kwargs = {"backend": backend, "dynamic": dynamic}
     if options and backend == "inductor":
         kwargs["options"] = options
+    for m in model.modules():  # a module may pick the kernels that pay under these settings
+        configure = getattr(m, "configure_compile", None)
+        if callable(configure):
+            configure(cudagraphs=bool(options.get("triton.cudagraphs")))
     compiled_by_class: dict[type[nn.Module], object] = {}
     classes: Counter = Counter()
     for _, unit in picked:
@@ -312,12 +344,17 @@ def compile_model(
         codes=codes,
         compile_kwargs=kwargs,
         memory_budget=float(memory_budget),
+        cudagraphs=bool(options.get("triton.cudagraphs")),
         units_list=picked,
         _base=dynamo_counts(),
     )
     _watch_first_step(model, out)
+    if out.cudagraphs:
+        _replay_as_cuda_graphs(model)
     log.info(
-        "compile: %d units (%s) compiled per block class, regional, backend=%s; activations %s; cache %s",
+        "compile: %d units (%s) compiled per block class, regional, backend=%s; activations %s; "
+        + ("CUDA graphs; " if out.cudagraphs else "")
+        + "cache %s",
         out.units,
         ", ".join(f"{n} x{c}" for n, c in classes.items()),
         backend if isinstance(backend, str) else type(backend).__name__,
@@ -325,6 +362,39 @@ def compile_model(
         cache,
     )
     return out
+
+
+def _replay_as_cuda_graphs(model: nn.Module) -> None:
+    """What the training step needs around compiled blocks replayed as CUDA graphs (inductor's
+    cudagraph trees, one memory pool for every block's forward and backward graph).
+
+    Why: each kernel of a compiled graph is otherwise a launch from Python; the regression
+    UNet's step enqueues several thousand, and with fast kernels the host, not the GPU, set the
+    pace (docs/benchmarks.md, run 8). A replayed graph is one launch.
+
+    Each forward of the model starts a new generation of the tree (the outputs of the previous
+    one may be overwritten from then on). Gradients of the blocks' parameters are outputs of the
+    backward graphs, and autograd keeps them as ``.grad`` without a copy: with several micro-
+    batches per step they would be overwritten by the next micro-batch's replay, so they are
+    moved out of the pool once per step, before the second micro-batch (a copy per parameter;
+    with one micro-batch per step, nothing: the optimizer has used them before the next
+    forward, and ``zero_grad`` drops them)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    state = {"moved": False}
+
+    def hook(module, args):
+        if not torch.is_grad_enabled() or dispatch_mode_active():
+            return
+        held = [p for p in params if p.grad is not None]
+        if not held:  # the step's first micro-batch
+            state["moved"] = False
+        elif not state["moved"]:
+            for p in held:
+                p.grad = p.grad.clone()
+            state["moved"] = True
+        torch.compiler.cudagraph_mark_step_begin()
+
+    model.register_forward_pre_hook(hook)
 
 
 def _watch_first_step(model: nn.Module, out: Compiled) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from framework.config.resume import MAY
 from framework.config.schema import Invalid, non_negative, one_of, positive
+from recipes.stormcast.layers import FORMS as GROUP_NORM_FORMS
 
 
 @dataclass
@@ -19,6 +21,14 @@ class SongUNetConfig:
     embedding_type: str = "zero"  # zero | positional
     additive_pos_embed: bool = False
     checkpoint_level: int = 0
+    # the GroupNorm (+ SiLU) of compiled blocks: "auto" (the Triton kernels of
+    # recipes/stormcast/fused_norm.py when the compiled blocks replay as CUDA graphs on CUDA,
+    # else inductor's kernels), "fused", "explicit" (inductor's), "composite" or "aten" (for
+    # comparisons); eager runs: torch's kernel
+    compiled_norm: str = "auto"
+
+    # how the model computes, not what its weights mean: a resumed run may change them
+    RESUME_RULES = (("checkpoint_level", MAY, None), ("compiled_norm", MAY, None))
 
     def __post_init__(self):
         positive(self, "model_channels", "channel_mult_emb", "num_blocks")
@@ -28,6 +38,7 @@ class SongUNetConfig:
         if not 0 <= self.dropout < 1:
             raise Invalid("dropout", f"must be in [0, 1) (got {self.dropout})")
         one_of(self, "embedding_type", ("zero", "positional"))
+        one_of(self, "compiled_norm", GROUP_NORM_FORMS)
 
     @property
     def downsample_factor(self) -> int:

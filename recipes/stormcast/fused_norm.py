@@ -1,14 +1,14 @@
-"""GroupNorm (+ SiLU) as four Triton kernels, for the compiled SongUNet blocks on CUDA (opt-in).
+"""GroupNorm (+ SiLU) as four Triton kernels, for the compiled SongUNet blocks on CUDA.
 
 Why hand-written: inductor writes the normalisation of a channels-last activation as 1-D
 kernels over its elements, each element gathering its channel's statistics, weight and bias
 anew; these kernels work on tiles of (pixels x channels) and load a channel's coefficients once
-per tile. On an H200 (docs/benchmarks.md, run 8) a full-resolution decoder block takes 9.7 ms
-instead of 12.4, and the regression step's kernels 208 ms instead of 246; but every launch is a
-custom op called from Python, four per norm, and with them the step is bound by the host's
-launch time (15.36 samples/s against 15.66). So the compiled blocks keep inductor's form by
-default and this one is opt-in (``GroupNorm.compiled_form = "fused"``), until its launches are
-cheaper (CUDA graphs, or fewer of them).
+per tile. On an H200 (docs/benchmarks.md, runs 8-9) a full-resolution decoder block takes 9.7 ms
+instead of 12.4, and the regression step's kernels 208-223 ms instead of 246. Each launch is a
+custom op called from Python, four per norm: without CUDA graphs (``trainer.compile_cudagraphs``)
+the host's launches set the pace of the step, with them the GPU does (17.76 samples/s against
+15.41). So the default form ("auto", ``GroupNorm.compiled_form``, ``model.compiled_norm``) picks
+these kernels when the compiled blocks replay as CUDA graphs, inductor's form otherwise.
 
 The kernels see only per-(sample, channel) coefficients, so the group logic, the optional
 per-(sample, channel) ``shift`` added before the norm (the UNet block's embedding) and the

@@ -135,18 +135,31 @@ class GroupNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_channels))
         self.bias = nn.Parameter(torch.zeros(num_channels))
 
-    # Under torch.compile: per-channel statistics combined into groups (``group_norm_by_channel``),
-    # which inductor reduces with coalesced reads in either memory format, with an explicit
-    # backward. Eager: torch's kernel. "fused" runs the Triton kernels of ``fused_norm`` instead
-    # on CUDA (a third less GPU time, but more host time per launch: docs/benchmarks.md, run 8),
+    # Under torch.compile. "fused": the Triton kernels of ``fused_norm`` on CUDA (statistics,
+    # normalise + SiLU, and the backward's two passes over tiles of pixels x channels; a sixth
+    # less GPU time, but four launches per norm from Python, which pay only when the compiled
+    # graphs replay as CUDA graphs: docs/benchmarks.md, runs 8-9). "explicit" (also where Triton
+    # cannot run, e.g. on CPU): per-channel statistics combined into groups
+    # (``group_norm_by_channel``), which inductor reduces with coalesced reads in either memory
+    # format, with an explicit backward. "auto" (the default): "fused" when the framework's
+    # compile replays the graphs as CUDA graphs (``configure_compile``), else "explicit".
     # "composite" differentiates the per-channel form through autograd, and "aten" keeps torch's
-    # kernel when compiled too (these three for side-by-side measurements).
-    compiled_form = "explicit"
+    # kernel when compiled too (these two for side-by-side measurements). Eager: torch's kernel.
+    # Set per model with ``set_compiled_form`` (``model.compiled_norm``).
+    compiled_form = "auto"
+
+    def configure_compile(self, *, cudagraphs: bool) -> None:
+        """Called by the framework's compile before it compiles: "auto" becomes a form (set on
+        the instance, so it travels with the blocks to precompilation's worker processes)."""
+        if self.compiled_form == "auto":
+            self.compiled_form = "fused" if cudagraphs else "explicit"
 
     def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
         """GroupNorm of ``x + shift`` (``shift``: one value per sample and channel, (B, C) or
         (B, C, 1, 1)), then SiLU if ``silu``."""
-        if self.compiled_form == "fused" and torch.compiler.is_compiling() and fused_norm.available(x):
+        # (training only: a variant's eval-mode ``normalise`` must hold, e.g. PhysicsNeMo's)
+        fused = self.compiled_form == "fused" and self.training and torch.compiler.is_compiling()
+        if fused and fused_norm.available(x):
             # in the dtype the convolution after it computes in: the same values, half the bytes
             out = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
             w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
@@ -163,6 +176,20 @@ class GroupNorm(nn.Module):
             explicit = self.compiled_form != "composite"
             return group_norm_by_channel(x, self.num_groups, w, b, self.eps, explicit=explicit)
         return F.group_norm(x, self.num_groups, w, b, self.eps)
+
+
+FORMS = ("auto", "fused", "explicit", "composite", "aten")
+
+
+def set_compiled_form(model: nn.Module, form: str) -> None:
+    """Every GroupNorm of ``model`` compiles as ``form`` (see ``GroupNorm.compiled_form``). Set on
+    the instances: it travels with the blocks that precompilation's worker processes unpickle,
+    where a class attribute would stay behind (they would build the other form's graphs)."""
+    if form not in FORMS:
+        raise ValueError(f"GroupNorm form {form!r}: expected one of {', '.join(FORMS)}")
+    for m in model.modules():
+        if isinstance(m, GroupNorm):
+            m.compiled_form = form
 
 
 def _moments(xf: torch.Tensor, groups: int):

@@ -26,6 +26,7 @@ def build_songunet(cfg: SongUNetConfig, *, in_channels: int, out_channels: int, 
         embedding_type=cfg.embedding_type,
         additive_pos_embed=cfg.additive_pos_embed,
         checkpoint_level=cfg.checkpoint_level,
+        compiled_norm=cfg.compiled_norm,
     )
 
 

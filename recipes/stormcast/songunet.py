@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from recipes.stormcast.layers import AdditivePosEmbed, Conv2d, GroupNorm, Linear, PositionalEmbedding, UNetBlock
+from recipes.stormcast.layers import (
+    AdditivePosEmbed,
+    Conv2d,
+    GroupNorm,
+    Linear,
+    PositionalEmbedding,
+    UNetBlock,
+    set_compiled_form,
+)
 
 _EMBEDDING_TYPES = ("positional", "zero")
 # EDM and PhysicsNeMo build the SongUNet's GroupNorms with eps=1e-6 (not the layer
@@ -61,6 +69,8 @@ class SongUNet(nn.Module):
         checkpoint_level: gradient checkpointing of UNetBlocks; 0 disables it,
             ``L > 0`` checkpoints the blocks of the ``L`` finest levels (where the
             activations are largest); ``L >= len(channel_mult)`` checkpoints all.
+        compiled_norm: the GroupNorm form of compiled blocks (``layers.GroupNorm.compiled_form``:
+            "auto", "fused", "explicit", ...); eager runs use torch's kernel either way.
 
     ``forward(x, noise_labels=None, class_labels=None)``: ``x`` is ``(B, in_channels,
     H', W')`` with ``H', W'`` multiples of ``downsample_factor``; ``noise_labels`` is
@@ -85,6 +95,7 @@ class SongUNet(nn.Module):
         resample_filter: Sequence[int] = (1, 1),
         additive_pos_embed: bool = False,
         checkpoint_level: int = 0,
+        compiled_norm: str = "auto",
     ):
         super().__init__()
         if embedding_type not in _EMBEDDING_TYPES:
@@ -174,6 +185,7 @@ class SongUNet(nn.Module):
         self.out_norm = GroupNorm(cout, eps=_GN_EPS)
         # Near-zero output conv (EDM init_zero): the untrained net predicts ~0.
         self.out_conv = Conv2d(cout, out_channels, kernel=3, init_weight=1e-5)
+        set_compiled_form(self, compiled_norm)
 
     # -- helpers -----------------------------------------------------------------
 

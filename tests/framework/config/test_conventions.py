@@ -140,6 +140,9 @@ def test_a_resume_may_change_tags_objective_and_paths_but_not_the_model():
     rules = (*schema_rules(run), *TopConfig.RESUME_RULES)  # as the trainer passes them
     changed = {c.key for c in check_resume(saved, now, rules=rules)}
     assert {"tags", "objective", "paths.output_dir"} <= changed
+    run, now = plain(["model.compiled_norm=explicit", "model.checkpoint_level=1"])  # how it computes
+    changed = {c.key for c in check_resume(saved, now, rules=(*schema_rules(run), *TopConfig.RESUME_RULES))}
+    assert {"model.compiled_norm", "model.checkpoint_level"} <= changed
     run, now = plain(["model.model_channels=8"])
     with pytest.raises(ConfigError, match=r"^model\.model_channels: cannot change when resuming"):
         check_resume(saved, now, rules=(*schema_rules(run), *TopConfig.RESUME_RULES))

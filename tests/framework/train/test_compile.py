@@ -75,8 +75,11 @@ def test_gpu_presets_compile_on_cuda_and_stay_eager_on_cpu(compose, recipe):
     assert not compile_wanted(False, "cuda") and compile_wanted(True, "cpu")  # said: as said
     assert compose([]).trainer.compile is False  # the default job: eager unless asked
     # the regression presets recompute GroupNorm + SiLU in backward (measured: 20.7 against 36.3 GiB)
-    budget = compose([f"recipe={recipe}", "data.root=/data"]).trainer.compile_memory_budget
-    assert budget == (0.7 if recipe in ("stormcast", "stormcast_fast") else 1.0)
+    trainer = compose([f"recipe={recipe}", "data.root=/data"]).trainer
+    assert trainer.compile_memory_budget == (0.7 if recipe in ("stormcast", "stormcast_fast") else 1.0)
+    # CUDA graphs where measured (the regression presets: auto, i.e. on under sharding none/ddp)
+    assert trainer.compile_cudagraphs == (None if recipe in ("stormcast", "stormcast_fast") else False)
+    assert compose([]).trainer.compile_cudagraphs is False
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -129,6 +132,79 @@ def test_a_memory_budget_below_one_keeps_fewer_activations_and_trains_alike():
     assert saved[0.5] < 0.75 * saved[1.0], saved
     for a, b in zip(grads[1.0], grads[0.5]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_cuda_graphs_apply_where_parameters_stay_put():
+    """trainer.compile_cudagraphs: null turns them on for CUDA under sharding none/ddp without a
+    domain split; true where they cannot apply is a config error naming the layout."""
+    from types import SimpleNamespace
+
+    from framework import runtime
+    from framework.errors import ConfigError
+    from framework.train.compile import cudagraphs_wanted
+
+    assert cudagraphs_wanted(None, "cuda", "none", 1) and cudagraphs_wanted(None, "cuda", "ddp", 1)
+    assert not cudagraphs_wanted(None, "cpu", "none", 1)
+    assert not cudagraphs_wanted(None, "cuda", "fsdp2", 1) and not cudagraphs_wanted(None, "cuda", "ddp", 2)
+    assert cudagraphs_wanted(True, "cuda", "none", 1) and not cudagraphs_wanted(False, "cuda", "none", 1)
+
+    def check(sharding, domain, setting=True):
+        run = SimpleNamespace(
+            sharding=SimpleNamespace(name=sharding),
+            splitter=SimpleNamespace(name="rows"),
+            model=SimpleNamespace(name="songunet"),
+            trainer=SimpleNamespace(compile_cudagraphs=setting),
+        )
+        runtime._check_layout(run, SimpleNamespace(world=2, domain=domain))
+
+    check("ddp", 1)
+    check("fsdp2", 2, setting=None)  # auto: off there, no error
+    with pytest.raises(ConfigError, match=r"^trainer\.compile_cudagraphs=true cannot apply to sharding=fsdp2:"):
+        check("fsdp2", 1)
+    with pytest.raises(ConfigError, match=r"cannot apply to sharding=ddp, parallel\.domain=2:"):
+        check("ddp", 2)
+    # compile_model on CPU: nothing to capture, the option stays off
+    assert not compile_model(_model(), device_type="cpu", backend="eager", cudagraphs=True).cudagraphs
+
+
+@pytest.mark.parametrize("device,form", [("cuda", "fused"), ("cpu", "explicit")])
+def test_auto_group_norms_pick_their_kernels_by_the_cuda_graph_setting(device, form):
+    """compile_model tells each module with ``configure_compile`` whether the graphs replay as
+    CUDA graphs: the SongUNet's "auto" GroupNorms take the Triton kernels only then (their
+    launches cost host time that only CUDA graphs take away); a form set by the user stays."""
+    from recipes.stormcast.layers import GroupNorm, set_compiled_form
+
+    model = _model()
+    norms = [m for m in model.modules() if isinstance(m, GroupNorm)]
+    set_compiled_form(norms[0], "composite")
+    c = compile_model(model, device_type=device, backend="eager", cudagraphs=True)
+    assert c.cudagraphs is (device == "cuda")
+    assert norms[0].compiled_form == "composite" and {m.compiled_form for m in norms[1:]} == {form}
+    torch._dynamo.reset()
+
+
+def test_cuda_graph_steps_move_accumulated_gradients_out_of_the_pool():
+    """With CUDA graphs a block's parameter gradients are outputs of its backward graph (memory of
+    the graph pool, overwritten at the next replay). Before a step's second micro-batch they are
+    copied out once; the accumulated gradients are eager's."""
+    from framework.train.compile import _replay_as_cuda_graphs
+
+    model, ref = _model(), _model()
+    _replay_as_cuda_graphs(model)
+    batches = _batches(3)
+    params = list(model.parameters())
+    for _ in range(2):  # steps
+        ids = []
+        for x, y in batches:  # three micro-batches
+            for m in (model, ref):
+                torch.nn.functional.mse_loss(m(x), y).backward()
+            ids.append([id(p.grad) for p in params])
+        assert ids[1] != ids[0], "the first micro-batch's gradients were not moved"
+        assert ids[2] == ids[1], "moved again: once per step is enough"
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
 
 
 def test_channels_last_is_the_cuda_default_for_convolutional_blocks_only():

@@ -80,6 +80,23 @@ def test_discover_finds_each_distinct_block_call_once():
     torch._dynamo.reset()
 
 
+def test_the_blocks_take_their_group_norm_form_to_the_workers():
+    """model.compiled_norm is set on the GroupNorm instances, so a worker's unpickled block builds
+    the graph of the form the training process runs (a class attribute set in the training
+    process would stay behind: the workers compiled the default form, the first step all else)."""
+    from recipes.stormcast.layers import GroupNorm, set_compiled_form
+
+    model = _unet()
+    set_compiled_form(model, "composite")
+    compiled = compile_model(model, device_type="cpu", backend="eager")
+    jobs = pickle.loads(
+        pickle.dumps(precompile.plan_jobs(2, compiled, model, _Task(), 2, _Precision(), torch.device("cpu")))
+    )
+    norms = [m for j in jobs for m in j.block.modules() if isinstance(m, GroupNorm)]
+    assert norms and {m.compiled_form for m in norms} == {"composite"} != {GroupNorm.compiled_form}
+    torch._dynamo.reset()
+
+
 def test_planning_leaves_the_random_states_as_they_were():
     """The fake forward draws (dropout): a run with precompilation must draw what one without does."""
     model = _unet(dropout=0.5)

@@ -93,16 +93,19 @@ def _tiny_songunet(seed=0):
     return m.cuda()
 
 
-def _train(model, steps, dtype):
+def _train(model, steps, dtype, micro=1):
     g = torch.Generator(device="cuda").manual_seed(1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     losses = []
     for _ in range(steps):
-        x = torch.randn(4, 5, 32, 48, device="cuda", generator=g)
-        y = torch.randn(4, 3, 32, 48, device="cuda", generator=g)
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        loss.backward()
+        loss = 0.0
+        for _ in range(micro):  # gradients accumulated over micro-batches
+            x = torch.randn(4, 5, 32, 48, device="cuda", generator=g)
+            y = torch.randn(4, 3, 32, 48, device="cuda", generator=g)
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                part = torch.nn.functional.mse_loss(model(x).float(), y) / micro
+            part.backward()
+            loss = loss + part.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -127,7 +130,33 @@ def test_compiled_songunet_trains_like_eager_on_gpu(dtype, rtol, monkeypatch):
         assert abs(la - lb) <= rtol * abs(la), (a, b)
 
 
-def test_trainer_compile_true_on_gpu(tmp_path):
+@pytest.mark.parametrize("micro", [1, 2], ids=["one_micro_batch", "grad_accum_2"])
+def test_cuda_graphs_train_like_eager_on_gpu(micro, monkeypatch):
+    """trainer.compile_cudagraphs: every block's forward and backward graph replayed from one
+    cudagraph tree; the losses are eager's, with gradient accumulation too (the first
+    micro-batch's gradients must not be overwritten by the second's replay)."""
+    from torch._inductor import cudagraph_trees
+
+    from framework.train.compile import compile_model
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    eager, compiled = _tiny_songunet(), _tiny_songunet()
+    c = compile_model(compiled, device_type="cuda", cudnn_benchmark=False, cudagraphs=True)
+    a, b = _train(eager, 6, torch.float32, micro), _train(compiled, 6, torch.float32, micro)
+    s = c.stats()
+    assert c.cudagraphs and s["graph_breaks"] == 0 and s["cudagraph_skips"] == 0, s
+    tree = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    assert tree is not None and tree.roots, "no graph was recorded"
+    for la, lb in zip(a, b):
+        assert abs(la - lb) <= 1e-4 * abs(la), (a, b)
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["trainer.compile_cudagraphs=true", "trainer.grad_accum=2"]], ids=["compile", "cudagraphs"]
+)
+def test_trainer_compile_true_on_gpu(tmp_path, extra):
     """The CLI path: trainer.compile=true compiles the blocks and reports the counts in the log."""
     data, run = tmp_path / "data", tmp_path / "run"
     proc = cli(
@@ -145,6 +174,7 @@ def test_trainer_compile_true_on_gpu(tmp_path):
             "trainer.val_batches=1",
             "trainer.progress=false",
             "checkpoint=none",
+            *extra,
         ],
         tmp_path,
         timeout=600,
@@ -152,5 +182,7 @@ def test_trainer_compile_true_on_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "compile: first compiled step" in log and " 0 graph breaks" in log, log[-3000:]
+    if extra:
+        assert "CUDA graphs on, 0 graphs not captured" in log, log[-3000:]
     assert (run / "compile_cache").is_dir()  # a resumed job in this run dir reuses the kernels
     assert all(np.isfinite(train_losses(run)))

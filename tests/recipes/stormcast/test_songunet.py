@@ -215,6 +215,26 @@ def test_compiled_group_norm_uses_the_per_channel_form(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_model_compiled_norm_reaches_every_group_norm():
+    """model.compiled_norm (default auto) picks the compiled GroupNorm form of every norm the
+    model builder makes; an unknown form is a config error naming the key and the choices."""
+    import recipes.stormcast.registry  # noqa: F401  (registers the songunet builder)
+    from framework import registry
+    from framework.config.schema import Invalid
+    from recipes.stormcast.config import SongUNetConfig
+    from recipes.stormcast.layers import GroupNorm
+
+    assert SongUNetConfig().compiled_norm == "auto"
+    cfg = SongUNetConfig(model_channels=8, channel_mult=[1, 2], num_blocks=1, compiled_norm="explicit")
+    model = registry.models.entry("songunet").builder(cfg, in_channels=3, out_channels=2, img_resolution=[16, 16])
+    forms = [m.compiled_form for m in model.modules() if isinstance(m, GroupNorm)]
+    assert len(forms) > 4 and set(forms) == {"explicit"}
+    with pytest.raises(
+        Invalid, match=r"compiled_norm.*must be one of auto, fused, explicit, composite, aten \(got 'triton'\)"
+    ):
+        SongUNetConfig(compiled_norm="triton")
+
+
 @pytest.mark.parametrize("form", ["explicit", "composite", "fused"])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_compiled_block_trains_like_the_eager_one(form, channels_last, monkeypatch):
