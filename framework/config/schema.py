@@ -69,8 +69,8 @@ class TrainerConfig:
     # activation_memory_budget); below 1 it recomputes cheap pointwise work in backward instead
     compile_memory_budget: float = 1.0
     # the compiled blocks replayed as CUDA graphs (inductor's cudagraph trees): one launch per
-    # graph instead of one per kernel; null: on where it applies (CUDA, sharding none or ddp, no
-    # domain split); true where it cannot apply is a config error
+    # graph instead of one per kernel; null: on for CUDA under sharding none; true: also under
+    # ddp; true under FSDP2 or a domain split is a config error
     compile_cudagraphs: bool | None = False
     stop_before_end_min: float = 0.0  # SLURM: checkpoint and stop this long before the time limit
     # Debugging (conf/debug/): > 0 trains on the first N global batches over and over, so a

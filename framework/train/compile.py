@@ -70,15 +70,17 @@ def compile_wanted(setting: bool | None, device_type: str) -> bool:
 # (FSDP2 gathers its parameters into new storage every step; domain layouts' collectives are not
 # captured)
 CUDAGRAPH_SHARDINGS = ("none", "ddp")
+# where null (auto) turns them on: measured on one GPU; DDP's gradient hooks around the replayed
+# backward graphs are not yet run on GPUs here, so DDP takes them when asked (``true``) only
+CUDAGRAPH_AUTO = ("none",)
 
 
 def cudagraphs_wanted(setting: bool | None, device_type: str, sharding: str, domain: int) -> bool:
-    """``trainer.compile_cudagraphs``: null (auto) turns them on where they apply: CUDA, sharding
-    ``none`` or ``ddp``, no domain split. (``true`` where they cannot apply is refused by the
-    config validation.)"""
+    """``trainer.compile_cudagraphs``: null (auto) turns them on for CUDA under ``sharding=none``
+    without a domain split. (``true`` where they cannot apply is refused at start-up.)"""
     if setting is not None:
         return setting
-    return device_type == "cuda" and sharding in CUDAGRAPH_SHARDINGS and domain <= 1
+    return device_type == "cuda" and sharding in CUDAGRAPH_AUTO and domain <= 1
 
 
 def dispatch_mode_active() -> bool:

@@ -62,12 +62,20 @@ def reference_20(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "layout,nproc",
-    [(["parallel=none"], 1), (["parallel=fsdp2"], 2), (["parallel=fsdp2_domain"], 2)],
-    ids=["none", "fsdp2-x2", "fsdp2_domain-x2"],
+    [
+        (["parallel=none"], 1),
+        (["parallel=fsdp2"], 2),
+        (["parallel=fsdp2_domain"], 2),
+        (["parallel=none", "trainer.compile_cudagraphs=true"], 1),
+        (["parallel=ddp", "trainer.compile_cudagraphs=true"], 2),
+    ],
+    ids=["none", "fsdp2-x2", "fsdp2_domain-x2", "none-cudagraphs", "ddp-cudagraphs-x2"],
 )
 def test_compiled_layout_trains_like_one_eager_gpu(reference_20, layout, nproc):
     """trainer.compile=true (inductor) against the eager one-GPU run: fp32, 20 steps, 1e-5. The
-    domain layout's halo exchanges and GroupNorm sums are functional collectives in the graphs."""
+    domain layout's halo exchanges and GroupNorm sums are functional collectives in the graphs;
+    with CUDA graphs the blocks replay from inductor's cudagraph trees (and their GroupNorm takes
+    the Triton kernels), under DDP with its gradient hooks around the replayed backward graphs."""
     if GPUS < nproc:
         pytest.skip(f"needs {nproc} GPUs, {GPUS} here")
     tmp, extra, ref = reference_20
@@ -76,3 +84,5 @@ def test_compiled_layout_trains_like_one_eager_gpu(reference_20, layout, nproc):
     assert compare(ref, losses) <= 1e-5, (ref, losses)
     log = (run_dir / "framework.log").read_text()
     assert "compile: first compiled step" in log and " 0 graph breaks" in log, log[-3000:]
+    if "trainer.compile_cudagraphs=true" in layout:
+        assert "CUDA graphs on, 0 graphs not captured" in log, log[-3000:]
