@@ -311,7 +311,7 @@ def worker(args) -> None:
             from recipes.stormcast.layers import set_compiled_form
 
             variant = _variant(args.variant)
-            if "gn" in variant:  # else the model's default (fused on CUDA)
+            if "gn" in variant:  # else the model's default (auto: fused with CUDA graphs)
                 set_compiled_form(model, variant.pop("gn"))
             compiled = compile_model(model, device_type=device.type, **variant)
         jobs = []
@@ -425,8 +425,9 @@ def worker(args) -> None:
             result["channels_last"] = compiled.channels_last
         if env.is_main:  # before the profile: a profile cut short keeps the measurement
             print("RESULT " + json.dumps(result), flush=True)
-        if args.profile and env.is_main:
-            profile_steps(t, batch, args, device)
+        if args.profile and env.is_main:  # the same figures again, with the profile's (the driver keeps the last)
+            result["profile"] = profile_steps(t, batch, args, device)
+            print("RESULT " + json.dumps(result), flush=True)
 
 
 def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None = None) -> dict:
@@ -481,7 +482,7 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGTERM)  # torchrun stops its workers (their own sessions) on SIGTERM
             try:
-                out, err = p.communicate(timeout=30)
+                out, err = p.communicate(timeout=60)  # longer than torchrun's 30 s for its workers
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 out, err = p.communicate()
@@ -491,9 +492,9 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
         tag = f"{sharding}_x{gpus}_d{domain}_{'compiled' if compile else 'eager'}"
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.log_dir) / f"{tag}.log").write_text(proc.stdout + "\n" + proc.stderr)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if results:
+        return results[-1]
     err = proc.stderr.splitlines()
     start = next((i for i, ln in enumerate(err) if ln.startswith("Traceback")), max(0, len(err) - 15))
     raise SystemExit(f"{sharding} on {gpus} GPU(s) failed:\n" + "\n".join(err[start : start + 40]))

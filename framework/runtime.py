@@ -133,18 +133,23 @@ def _check_layout(run, degrees) -> None:
         raise ConfigError(
             f"parallel.domain={degrees.domain} needs splitter=rows (or parallel=fsdp2_domain / parallel=domain)"
         )
-    if run.trainer.compile_cudagraphs and (
-        run.sharding.name not in compile_mod.CUDAGRAPH_SHARDINGS or degrees.domain > 1
-    ):
-        layout = f"sharding={run.sharding.name}" + (f", parallel.domain={degrees.domain}" if degrees.domain > 1 else "")
-        raise ConfigError(
-            f"trainer.compile_cudagraphs=true cannot apply to {layout}: CUDA graphs need parameters "
-            "at fixed addresses and no domain collectives (sharding=none or ddp); set it to null or false"
-        )
+    if run.trainer.compile_cudagraphs and run.trainer.compile is not False:
+        obstacle = compile_mod.cudagraph_obstacle(*_cudagraph_layout(run, degrees))
+        if obstacle:
+            raise ConfigError(f"trainer.compile_cudagraphs=true cannot apply: {obstacle}; set it to null or false")
     if degrees.domain > 1:
         from framework.domain.splitter import model_plan
 
         model_plan(run.model.name, degrees.domain)  # a model without a split plan: one line, before any group
+
+
+def _cudagraph_layout(run, degrees) -> tuple[str, int, bool]:
+    """What decides whether the compiled blocks can replay as CUDA graphs: the sharding the run
+    applies (fsdp2 on one rank is none), the domain degree, and activation checkpointing (a model
+    node's ``checkpoint_level``, the UNet recipes' knob)."""
+    from framework.plan import effective
+
+    return effective(run.sharding.name, degrees), degrees.domain, getattr(run.model, "checkpoint_level", 0) > 0
 
 
 def _dist_message(e: Exception, env, timeout_s: float) -> str:
@@ -231,7 +236,7 @@ def _run(run, run_dir: Path, env, degrees, device) -> JobResult:
             cache_dir=run_dir / "compile_cache",
             memory_budget=run.trainer.compile_memory_budget,
             cudagraphs=compile_mod.cudagraphs_wanted(
-                run.trainer.compile_cudagraphs, device.type, run.sharding.name, degrees.domain
+                run.trainer.compile_cudagraphs, device.type, *_cudagraph_layout(run, degrees)
             ),
         )
         micro = run.data.batch_size // degrees.dp // run.trainer.grad_accum

@@ -75,12 +75,30 @@ CUDAGRAPH_SHARDINGS = ("none", "ddp")
 CUDAGRAPH_AUTO = ("none",)
 
 
-def cudagraphs_wanted(setting: bool | None, device_type: str, sharding: str, domain: int) -> bool:
+def cudagraph_obstacle(sharding: str, domain: int, checkpointed: bool) -> str | None:
+    """Why the compiled blocks cannot replay as CUDA graphs in this layout, or None.
+    ``sharding``: the policy the run applies (``plan.effective``); ``checkpointed``: activation
+    checkpointing wraps the blocks (a recording would see tensors freed under it: torch issue
+    154306, open)."""
+    if sharding not in CUDAGRAPH_SHARDINGS:
+        return f"sharding={sharding} gathers its parameters into new storage every step (CUDA graphs: none or ddp)"
+    if domain > 1:
+        return f"parallel.domain={domain}: its collectives are not captured"
+    if checkpointed:
+        return "activation checkpointing wraps the compiled blocks (model.checkpoint_level > 0)"
+    return None
+
+
+def cudagraphs_wanted(
+    setting: bool | None, device_type: str, sharding: str, domain: int, checkpointed: bool = False
+) -> bool:
     """``trainer.compile_cudagraphs``: null (auto) turns them on for CUDA under ``sharding=none``
-    without a domain split. (``true`` where they cannot apply is refused at start-up.)"""
+    where nothing stands in the way (``cudagraph_obstacle``); ``true`` there too, and under
+    ``ddp``. (``true`` with an obstacle is refused at start-up: ``framework.runtime``.)"""
     if setting is not None:
         return setting
-    return device_type == "cuda" and sharding in CUDAGRAPH_AUTO and domain <= 1
+    auto = device_type == "cuda" and sharding in CUDAGRAPH_AUTO
+    return auto and not cudagraph_obstacle(sharding, domain, checkpointed)
 
 
 def dispatch_mode_active() -> bool:
@@ -318,8 +336,12 @@ def compile_model(
         # whose output has half its input channels (the decoder's), and leaves its intermediate
         # buffers (the conv inputs) NCHW, so cuDNN transposed in and out of every conv.
         options.setdefault("force_layout_optimization", True)
-    if cudagraphs and device_type == "cuda":
+    if cudagraphs and device_type == "cuda" and backend == "inductor":
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
+    elif cudagraphs:
+        msg = f"trainer.compile_cudagraphs: CUDA graphs need CUDA and inductor (here {device_type}, {backend}); off"
+        warnings.warn(msg, stacklevel=2)
+        log.warning(msg)
     kwargs = {"backend": backend, "dynamic": dynamic}
     if options and backend == "inductor":
         kwargs["options"] = options
@@ -374,26 +396,26 @@ def _replay_as_cuda_graphs(model: nn.Module) -> None:
     UNet's step enqueues several thousand, and with fast kernels the host, not the GPU, set the
     pace (docs/benchmarks.md, run 8). A replayed graph is one launch.
 
-    Each forward of the model starts a new generation of the tree (the outputs of the previous
-    one may be overwritten from then on). Gradients of the blocks' parameters are outputs of the
-    backward graphs, and autograd keeps them as ``.grad`` without a copy: with several micro-
-    batches per step they would be overwritten by the next micro-batch's replay, so they are
-    moved out of the pool once per step, before the second micro-batch (a copy per parameter;
-    with one micro-batch per step, nothing: the optimizer has used them before the next
-    forward, and ``zero_grad`` drops them)."""
+    Each training forward of the model (each micro-batch) starts a new generation of the tree:
+    from then on the previous one's outputs may be overwritten. Gradients of the blocks'
+    parameters are outputs of the backward graphs, which autograd keeps as ``.grad`` without a
+    copy: with several micro-batches per step the next replay would overwrite them, so each
+    such gradient is copied out of the pool once, before the next micro-batch (with one
+    micro-batch per step: nothing, the optimizer has used them before the next forward and
+    ``zero_grad`` drops them)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    state = {"moved": False}
+    moved: set[int] = set()  # ids of this step's gradients that live outside the pool
 
     def hook(module, args):
         if not torch.is_grad_enabled() or dispatch_mode_active():
             return
         held = [p for p in params if p.grad is not None]
         if not held:  # the step's first micro-batch
-            state["moved"] = False
-        elif not state["moved"]:
-            for p in held:
+            moved.clear()
+        for p in held:  # per parameter: one may get its first gradient in a later micro-batch
+            if id(p.grad) not in moved:
                 p.grad = p.grad.clone()
-            state["moved"] = True
+                moved.add(id(p.grad))  # held by the parameter until zero_grad: the id stays unique
         torch.compiler.cudagraph_mark_step_begin()
 
     model.register_forward_pre_hook(hook)

@@ -67,7 +67,7 @@ def reference_20(tmp_path_factory):
         (["parallel=fsdp2"], 2),
         (["parallel=fsdp2_domain"], 2),
         (["parallel=none", "trainer.compile_cudagraphs=true"], 1),
-        (["parallel=ddp", "trainer.compile_cudagraphs=true"], 2),
+        (["parallel=ddp", "trainer.compile_cudagraphs=true", "trainer.grad_accum=2"], 2),
     ],
     ids=["none", "fsdp2-x2", "fsdp2_domain-x2", "none-cudagraphs", "ddp-cudagraphs-x2"],
 )
@@ -75,7 +75,8 @@ def test_compiled_layout_trains_like_one_eager_gpu(reference_20, layout, nproc):
     """trainer.compile=true (inductor) against the eager one-GPU run: fp32, 20 steps, 1e-5. The
     domain layout's halo exchanges and GroupNorm sums are functional collectives in the graphs;
     with CUDA graphs the blocks replay from inductor's cudagraph trees (and their GroupNorm takes
-    the Triton kernels), under DDP with its gradient hooks around the replayed backward graphs."""
+    the Triton kernels), under DDP with its gradient hooks around the replayed backward graphs
+    and two micro-batches (no_sync, the gradients moved out of the graphs' pool)."""
     if GPUS < nproc:
         pytest.skip(f"needs {nproc} GPUs, {GPUS} here")
     tmp, extra, ref = reference_20

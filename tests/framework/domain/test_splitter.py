@@ -357,7 +357,7 @@ def _layout(sharding, splitter_name, world, domain):
         sharding=SimpleNamespace(name=sharding),
         splitter=SimpleNamespace(name=splitter_name),
         model=SimpleNamespace(name="songunet"),
-        trainer=SimpleNamespace(compile_cudagraphs=None),
+        trainer=SimpleNamespace(compile_cudagraphs=None, compile=None),
     )
     return run, SimpleNamespace(world=world, domain=domain)
 
