@@ -70,7 +70,7 @@ class TrainerConfig:
     compile_memory_budget: float = 1.0
     # the compiled blocks replayed as CUDA graphs (inductor's cudagraph trees): one launch per
     # graph instead of one per kernel; null: on for CUDA under sharding none; true: also under
-    # ddp; true under FSDP2 or a domain split is a config error
+    # ddp; true under FSDP2, a domain split or activation checkpointing is a config error
     compile_cudagraphs: bool | None = False
     stop_before_end_min: float = 0.0  # SLURM: checkpoint and stop this long before the time limit
     # Debugging (conf/debug/): > 0 trains on the first N global batches over and over, so a

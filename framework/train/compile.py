@@ -31,7 +31,8 @@ compiled backward copies what it receives (the UNet recipe's layers do both).
 
 CUDA graphs (``trainer.compile_cudagraphs``): the blocks' graphs replayed through inductor's
 cudagraph trees, one launch per graph, where the parameters stay at fixed addresses (sharding
-``none`` or ``ddp``, no domain split); see ``_replay_as_cuda_graphs``.
+``none`` or ``ddp``, no domain split, no activation checkpointing around the blocks:
+``cudagraph_obstacle``); see ``_replay_as_cuda_graphs``.
 
 Only training steps (grad enabled) run compiled; validation and sampling (no_grad) run the
 eager forward, so they cost no second set of compiles.
@@ -336,7 +337,8 @@ def compile_model(
         # whose output has half its input channels (the decoder's), and leaves its intermediate
         # buffers (the conv inputs) NCHW, so cuDNN transposed in and out of every conv.
         options.setdefault("force_layout_optimization", True)
-    if cudagraphs and device_type == "cuda" and backend == "inductor":
+    replay = cudagraphs and device_type == "cuda" and backend == "inductor"
+    if replay:
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
     elif cudagraphs:
         msg = f"trainer.compile_cudagraphs: CUDA graphs need CUDA and inductor (here {device_type}, {backend}); off"
@@ -348,7 +350,7 @@ def compile_model(
     for m in model.modules():  # a module may pick the kernels that pay under these settings
         configure = getattr(m, "configure_compile", None)
         if callable(configure):
-            configure(cudagraphs=bool(options.get("triton.cudagraphs")))
+            configure(cudagraphs=replay)
     compiled_by_class: dict[type[nn.Module], object] = {}
     classes: Counter = Counter()
     for _, unit in picked:
@@ -368,7 +370,7 @@ def compile_model(
         codes=codes,
         compile_kwargs=kwargs,
         memory_budget=float(memory_budget),
-        cudagraphs=bool(options.get("triton.cudagraphs")),
+        cudagraphs=replay,
         units_list=picked,
         _base=dynamo_counts(),
     )
