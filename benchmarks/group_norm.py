@@ -5,10 +5,15 @@ CUDA events: the Triton kernels of ``recipes/stormcast/fused_norm.py`` against i
 kernels for the per-channel form (what the compiled blocks ran before) and torch's eager
 kernels. Prints ms per pass and the memory bandwidth it implies from the bytes the pass must
 move (forward: read x twice, write y; backward: read x and the gradient twice each, write dx),
-and each path's largest error against a float64 reference. ``--sweep`` times the fused
-kernels under other tile sizes and warp counts.
+and each path's largest error against a float64 reference.
 
-    python benchmarks/group_norm.py [--sweep]
+``--kernels`` times each of the four fused kernels alone, replayed as a CUDA graph (what the
+compiled step does, so no launch overhead), on every activation shape the regression UNet
+normalises, and sums them over the step's norms; ``--sweep`` does the same under other tile
+sizes, warp counts and (for the two reductions) programs per SM, and prints the best per
+kernel and shape against the current choice.
+
+    python benchmarks/group_norm.py [--kernels] [--sweep]
 """
 
 from __future__ import annotations
@@ -24,9 +29,20 @@ SHAPES = {  # name -> (channels, rows, cols): norm0 of a decoder block, of an en
     "enc0": (128, 512, 640),
     "enc1": (256, 256, 320),
 }
+# (channels, rows, cols) -> norms per step of the StormCast regression UNet at 512x640 (each
+# runs every kernel once; the forward's apply twice where the memory budget recomputes it)
+STEP_NORMS = {
+    (384, 512, 640): 1, (256, 512, 640): 5, (128, 512, 640): 15, (512, 256, 320): 4,
+    (384, 256, 320): 1, (256, 256, 320): 15, (128, 256, 320): 2, (512, 128, 160): 5,
+    (256, 128, 160): 17, (512, 64, 80): 5, (256, 64, 80): 17, (512, 32, 40): 5, (256, 32, 40): 20,
+}  # fmt: skip
+# bytes each kernel must move, in activations: stats reads x; apply reads x, writes y;
+# grad_sums reads the gradient and x; grad_apply reads both and writes dx
+KERNEL_BYTES = {"stats": 1, "apply": 2, "grad_sums": 2, "grad_apply": 3}
 
 
-def _time(fn, iters: int) -> float:
+def event_ms(fn, iters: int) -> float:
+    """ms per call of ``fn`` over ``iters`` calls after two warm-up calls, timed with CUDA events."""
     import torch
 
     for _ in range(2):
@@ -88,8 +104,8 @@ def measure(name: str, batch: int, iters: int) -> list[dict]:
         def both(forward=forward, leaves=leaves):
             torch.autograd.grad(forward(), leaves, dy)
 
-        fwd = _time(lambda: forward(), iters)  # noqa: B023
-        bwd = _time(both, iters) - fwd
+        fwd = event_ms(lambda: forward(), iters)  # noqa: B023
+        bwd = event_ms(both, iters) - fwd
         rows_out.append(
             {
                 "shape": name,
@@ -104,38 +120,108 @@ def measure(name: str, batch: int, iters: int) -> list[dict]:
     return rows_out
 
 
+def _graph_time(fn, iters: int) -> float:
+    """ms per call of ``fn``, ``iters`` calls captured in one CUDA graph and replayed: GPU time
+    alone, as in a step replayed as CUDA graphs."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile the kernel and warm the allocator outside the capture
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (3 * iters)
+
+
+def _kernel_calls(shape: tuple[int, int, int], batch: int) -> dict:
+    """The four fused kernels as calls on a channels-last bf16 activation of ``shape``."""
+    import torch
+
+    from recipes.stormcast import fused_norm as fn
+
+    c, rows, cols = shape
+    x = (torch.randn(batch, c, rows, cols, device="cuda") * 2 + 3).bfloat16()
+    x = x.contiguous(memory_format=torch.channels_last)
+    g = torch.randn_like(x)
+    a, cc, r, q, kg, kx, k0 = (torch.rand(batch, c, device="cuda") for _ in range(7))
+    return {
+        "stats": lambda: fn.gn_stats(x),
+        "apply": lambda: fn.gn_apply(x, a, cc, True, torch.bfloat16),
+        "grad_sums": lambda: fn.gn_grad_sums(g, x, a, cc, r, q, True),
+        "grad_apply": lambda: fn.gn_grad_apply(g, x, a, cc, kg, kx, k0, True),
+    }
+
+
+def kernels(batch: int, iters: int) -> dict:
+    """Each kernel's ms on each shape of STEP_NORMS, and its total over the step's norms."""
+    import torch
+
+    print(f"{'shape':>16} {'norms':>5}  " + "  ".join(f"{k:>17}" for k in KERNEL_BYTES) + "   (ms, GB/s)")
+    totals = dict.fromkeys(KERNEL_BYTES, 0.0)
+    for shape, count in STEP_NORMS.items():
+        calls = _kernel_calls(shape, batch)
+        nbytes = batch * shape[0] * shape[1] * shape[2] * 2
+        cells = []
+        for name, call in calls.items():
+            ms = _graph_time(call, iters)
+            totals[name] += count * ms
+            cells.append(f"{ms:8.3f} ({KERNEL_BYTES[name] * nbytes / ms / 1e6:5.0f})")
+        print(f"{str(shape):>16} {count:5d}  " + "  ".join(cells), flush=True)
+        del calls
+        torch.cuda.empty_cache()
+    print(
+        "per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items()) + f"; all {sum(totals.values()):.2f}"
+    )
+    return totals
+
+
 def sweep(batch: int, iters: int) -> None:
+    """The fused kernels under other launch geometries, per kernel and shape; the per-step gain
+    of the best one on each shape."""
     import torch
 
     from recipes.stormcast import fused_norm
 
-    c, rows, cols = SHAPES["dec0"]
-    x = torch.randn(batch, c, rows, cols, device="cuda").bfloat16().contiguous(memory_format=torch.channels_last)
-    w, b = torch.ones(c, device="cuda"), torch.zeros(c, device="cuda")
-    dy = torch.randn_like(x)
-    nbytes = x.numel() * x.element_size()
-    default = dict(fused_norm.TILES)
-    print(f"sweep on dec0 {tuple(x.shape)}: one kernel's (tile elements, warps) changed -> fwd, bwd ms (GB/s)")
-    candidates = [(e, w) for e in (1024, 2048, 4096, 8192) for w in (4, 8)]
-    configs = [(None, None)] + [(k, c) for k in default for c in candidates if c != default[k]]
-    for kernel, tile in configs:
-        fused_norm.TILES.update(default)
-        if kernel is not None:
-            fused_norm.TILES[kernel] = tile
-        label = "defaults" if kernel is None else f"{kernel:>10} {tile[0]:5d}/{tile[1]}"
-        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-
-        def forward(leaves=leaves):
-            return fused_norm.group_norm(*leaves[:1], 32, *leaves[1:], 1e-6, silu=True, dtype=torch.bfloat16)
-
-        try:
-            fwd = _time(forward, iters)
-            bwd = _time(lambda: torch.autograd.grad(forward(), leaves, dy), iters) - fwd  # noqa: B023
-        except Exception as e:  # noqa: BLE001  a tile too large for this GPU: reported, not fatal
-            print(f"  {label}  failed: {str(e).splitlines()[0][:100]}")
+    chosen = dict(fused_norm.GEOMETRY)
+    tiles = [(e, w) for e in (1024, 2048, 4096, 8192) for w in (4, 8)]
+    gain = 0.0
+    print("sweep: kernel, shape: default ms -> best ms (elements per tile, warps, programs per SM)")
+    for shape, count in STEP_NORMS.items():
+        if shape[1] * shape[2] < 128 * 160:  # the small ones: launch-bound, all geometries alike
             continue
-        print(f"  {label}  {fwd:7.3f} ({3 * nbytes / fwd / 1e6:5.0f})  {bwd:7.3f} ({5 * nbytes / bwd / 1e6:5.0f})")
-    fused_norm.TILES.update(default)
+        pixels = shape[1] * shape[2]
+        calls = _kernel_calls(shape, batch)
+        for name, call in calls.items():
+            now = _graph_time(call, iters)
+            current = fused_norm.geometry(name, pixels)
+            results = {}
+            for tile in tiles:
+                for pps in (4, 8, 16) if name in ("stats", "grad_sums") else (current[2],):
+                    fused_norm.GEOMETRY[name] = ((0, (*tile, pps)),)
+                    try:
+                        results[(*tile, pps)] = _graph_time(call, iters)
+                    except Exception as e:  # noqa: BLE001  a geometry this GPU cannot run: skipped
+                        print(f"  {name} {shape} {tile} {pps}: {str(e).splitlines()[0][:80]}")
+            fused_norm.GEOMETRY[name] = chosen[name]
+            best = min(results, key=results.get)
+            gain += count * (now - results[best])
+            ranked = "  ".join(f"{k}:{v:.3f}" for k, v in sorted(results.items(), key=lambda kv: kv[1])[:4])
+            print(f"  {name:>10} {str(shape):>16}: {now:7.3f} {current} -> {ranked}", flush=True)
+        del calls
+        torch.cuda.empty_cache()
+    print(f"sweep: the best geometry per kernel and shape would save {gain:.2f} ms per step")
 
 
 def main(argv=None) -> None:
@@ -145,10 +231,18 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--shapes", default="dec0,enc0,enc1")
-    ap.add_argument("--sweep", action="store_true", help="also time the fused kernels' tile sizes and warps")
+    ap.add_argument("--kernels", action="store_true", help="time each fused kernel alone on the step's shapes")
+    ap.add_argument("--sweep", action="store_true", help="time the fused kernels' launch geometries per shape")
+    ap.add_argument("--skip-paths", action="store_true", help="skip the side-by-side paths table")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("group_norm.py measures a GPU: no CUDA device here")
+    if args.kernels:
+        kernels(args.batch, args.iters)
+    if args.sweep:
+        sweep(args.batch, args.iters)
+    if args.skip_paths:
+        return
     print(f"{'shape':>6} {'path':>9} {'fwd ms':>8} {'GB/s':>6} {'bwd ms':>8} {'GB/s':>6}  max rel err (y, dx, dw, db)")
     for name in args.shapes.split(","):
         for r in measure(name, args.batch, args.iters):
@@ -158,8 +252,6 @@ def main(argv=None) -> None:
                 f"{r['bwd_ms']:8.3f} {r['bwd_gbs']:6.0f}  {err}",
                 flush=True,
             )
-    if args.sweep:
-        sweep(args.batch, args.iters)
 
 
 if __name__ == "__main__":

@@ -317,6 +317,7 @@ def compile_model(
         warnings.warn(msg, stacklevel=2)
         log.warning(msg)
         return Compiled(False, reason="no units")
+    picked += named_regions(model, picked)
 
     cache = _set_cache_dir(cache_dir)
     use_caches()
@@ -387,6 +388,20 @@ def compile_model(
         "channels_last" if channels_last else "as given",
         cache,
     )
+    return out
+
+
+def named_regions(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The submodules a model asks to compile besides its repeated blocks: each module's
+    ``compile_regions`` attribute, paths below it (a single layer outside every block whose
+    eager kernels cost time, e.g. a model's output norm: docs/benchmarks.md, run 10). A region
+    inside a unit is left to it."""
+    out: list[tuple[str, nn.Module]] = []
+    for prefix, module in model.named_modules():
+        for path in getattr(module, "compile_regions", ()):
+            name = f"{prefix}.{path}" if prefix else path
+            if not any(name == u or name.startswith(u + ".") for u, _ in units):
+                out.append((name, module.get_submodule(path)))
     return out
 
 

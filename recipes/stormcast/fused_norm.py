@@ -7,7 +7,8 @@ per tile. On an H200 (docs/benchmarks.md, runs 8-9) a full-resolution decoder bl
 instead of 12.4, and the regression step's kernels 208-223 ms instead of 246. Each launch is a
 custom op called from Python, four per norm: without CUDA graphs (``trainer.compile_cudagraphs``)
 the host's launches set the pace of the step, with them the GPU does (17.76 samples/s against
-15.41). So the default form ("auto", ``GroupNorm.compiled_form``, ``model.compiled_norm``) picks
+15.41; 18.62 with the per-size launch geometry of ``GEOMETRY`` and the output norm compiled,
+run 10). So the default form ("auto", ``GroupNorm.compiled_form``, ``model.compiled_norm``) picks
 these kernels when the compiled blocks replay as CUDA graphs, inductor's form otherwise.
 
 The kernels see only per-(sample, channel) coefficients, so the group logic, the optional
@@ -30,7 +31,6 @@ Plain PyTorch otherwise: no dependency on ``framework``.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import NamedTuple
@@ -172,10 +172,22 @@ if triton is not None:
 
 # -- launch geometry ----------------------------------------------------------------------------
 
-# per kernel: (elements per tile, warps per program), the fastest of benchmarks/group_norm.py --sweep
-# on an H200 (bf16, channels-last, 4 x 256 x 512 x 640); and the reductions' programs per SM
-TILES = {"stats": (4096, 4), "apply": (2048, 4), "grad_sums": (2048, 4), "grad_apply": (4096, 8)}
-PROGRAMS_PER_SM = 8
+# per kernel, the launch geometry for activations of at least so many pixels per sample:
+# (elements per tile, warps per program, programs per SM for the two reductions). The fastest of
+# `benchmarks/group_norm.py --sweep` on an H200 (bf16, channels-last, batch 4, each of the
+# regression UNet's activations timed alone, replayed as a CUDA graph): the reductions want
+# more programs on large activations and fewer on small ones, the input gradient four warps.
+GEOMETRY: dict[str, tuple[tuple[int, tuple[int, int, int]], ...]] = {
+    "stats": ((327680, (4096, 4, 8)), (0, (4096, 4, 4))),
+    "apply": ((0, (2048, 4, 8)),),
+    "grad_sums": ((81920, (2048, 4, 16)), (0, (4096, 4, 4))),
+    "grad_apply": ((0, (2048, 4, 8)),),
+}
+
+
+def geometry(kernel: str, pixels: int) -> tuple[int, int, int]:
+    """(elements per tile, warps, programs per SM) of ``kernel`` on ``pixels`` pixels per sample."""
+    return next(g for least, g in GEOMETRY[kernel] if pixels >= least)
 
 
 def _mergeable(t: torch.Tensor) -> bool:
@@ -207,16 +219,21 @@ def _blocks(channels: int, channels_fast: bool, elements: int) -> tuple[int, int
     return max(1, elements // block_c), block_c
 
 
-@functools.cache
+_SMS: dict[int, int] = {}  # multiprocessors per CUDA device (a dict: dynamo warns on lru_cache)
+
+
 def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
-def _chunks(x: torch.Tensor, b: int, pixels: int, cblocks: int, block_p: int) -> tuple[int, int]:
-    """(tiles per chunk, chunks) for the reductions: enough programs to fill the GPU, and a power of
+def _chunks(x: torch.Tensor, b: int, pixels: int, cblocks: int, block_p: int, per_sm: int) -> tuple[int, int]:
+    """(tiles per chunk, chunks) for the reductions: ``per_sm`` programs per SM, and a power of
     two of tiles per chunk (a constant of the kernel: few distinct kernels to compile)."""
     sms = _multiprocessors(x.device) if x.is_cuda else 4
-    want = max(1, (PROGRAMS_PER_SM * sms) // (b * cblocks))  # chunks per (sample, channel block)
+    want = max(1, (per_sm * sms) // (b * cblocks))  # chunks per (sample, channel block)
     iters = triton.next_power_of_2(max(1, pixels // (want * block_p)))
     return iters, math.ceil(pixels / (iters * block_p))
 
@@ -235,6 +252,7 @@ class _Reduction(NamedTuple):
     cblocks: int
     iters: int  # tiles per chunk
     nchunks: int
+    warps: int
 
     @property
     def chunk(self) -> int:  # pixels per chunk
@@ -245,10 +263,11 @@ def _reduction(x: torch.Tensor, kernel: str) -> _Reduction:
     """From ``x``'s sizes and layout alone (no copy: the forward asks again for its chunk size)."""
     b, c = x.shape[:2]
     pixels = math.prod(x.shape[2:])
-    block_p, block_c = _blocks(c, _channels_fast(x), TILES[kernel][0])
+    elements, warps, per_sm = geometry(kernel, pixels)
+    block_p, block_c = _blocks(c, _channels_fast(x), elements)
     cblocks = triton.cdiv(c, block_c)
-    iters, nchunks = _chunks(x, b, pixels, cblocks, block_p)
-    return _Reduction(pixels, block_p, block_c, cblocks, iters, nchunks)
+    iters, nchunks = _chunks(x, b, pixels, cblocks, block_p, per_sm)
+    return _Reduction(pixels, block_p, block_c, cblocks, iters, nchunks, warps)
 
 
 def _partials(x: torch.Tensor, geo: _Reduction) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,12 +276,10 @@ def _partials(x: torch.Tensor, geo: _Reduction) -> tuple[torch.Tensor, torch.Ten
     return part, torch.empty_like(part)
 
 
-def _reduce(kernel, name: str, geo: _Reduction, b: int, args: tuple, **constants) -> None:
+def _reduce(kernel, geo: _Reduction, b: int, args: tuple, **constants) -> None:
     """Launch a reduction kernel over (chunks, samples, channel blocks)."""
     grid = (geo.nchunks, b, geo.cblocks)
-    kernel[grid](
-        *args, **constants, ITERS=geo.iters, BLOCK_P=geo.block_p, BLOCK_C=geo.block_c, num_warps=TILES[name][1]
-    )
+    kernel[grid](*args, **constants, ITERS=geo.iters, BLOCK_P=geo.block_p, BLOCK_C=geo.block_c, num_warps=geo.warps)
 
 
 @torch.library.custom_op("stormcast::gn_stats", mutates_args=())
@@ -272,7 +289,7 @@ def gn_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, c = x.shape[:2]
     mean, m2 = _partials(x, g)
     xf, xs = _flat(x)
-    _reduce(gn_fused_stats, "stats", g, b, (xf, mean, m2, c, g.pixels, g.nchunks, *xs))
+    _reduce(gn_fused_stats, g, b, (xf, mean, m2, c, g.pixels, g.nchunks, *xs))
     return mean, m2
 
 
@@ -288,11 +305,12 @@ def _pointwise(kernel, name: str, out: torch.Tensor, x: torch.Tensor, tensors: t
     flat = [_flat(t) for t in (*tensors, x, out)]
     b, ch = x.shape[:2]
     pixels = math.prod(x.shape[2:])
-    block_p, block_c = _blocks(ch, _channels_fast(x), TILES[name][0])
+    elements, warps, _ = geometry(name, pixels)
+    block_p, block_c = _blocks(ch, _channels_fast(x), elements)
     grid = (triton.cdiv(pixels, block_p), b, triton.cdiv(ch, block_c))
     strides = [s for _, st in flat for s in st]
     args = [t for t, _ in flat[:-1]] + list(coefficients) + [flat[-1][0], ch, pixels, *strides]
-    kernel[grid](*args, SILU=silu, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=TILES[name][1])
+    kernel[grid](*args, SILU=silu, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
     if flat[-1][0].data_ptr() != out.data_ptr():  # out's layout did not flatten: written to a copy
         out.copy_(flat[-1][0])
     return out
@@ -321,7 +339,7 @@ def gn_grad_sums(
     s1, s2 = _partials(x, geo)
     xf, xs = _flat(x)
     args = (gf, xf, a, c, r, q, s1, s2, ch, geo.pixels, geo.nchunks, *gs, *xs)
-    _reduce(gn_fused_grad_sums, "grad_sums", geo, b, args, SILU=silu)
+    _reduce(gn_fused_grad_sums, geo, b, args, SILU=silu)
     return s1, s2
 
 

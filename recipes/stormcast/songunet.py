@@ -79,6 +79,10 @@ class SongUNet(nn.Module):
     with EDM-style preconditioners and ignored.
     """
 
+    # Compiled beside the blocks (``trainer.compile``): the output GroupNorm + SiLU, which eager
+    # runs as torch's kernel on a float32, NCHW copy of the full-resolution activation.
+    compile_regions = ("out_norm",)
+
     def __init__(
         self,
         img_resolution: int | Sequence[int],

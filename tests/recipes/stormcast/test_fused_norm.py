@@ -110,3 +110,19 @@ def test_fused_group_norm_takes_any_layout_and_writes_the_asked_dtype():
 )
 def test_fused_group_norm_equals_torchs_on_gpu(shape, groups, channels_last, with_shift, silu, dtype):
     _check_against_float64("cuda", shape, groups, channels_last, with_shift, silu, dtype)
+
+
+def test_every_kernel_has_a_geometry_for_every_size():
+    """The launch geometries are tables by size: each kernel's thresholds fall to 0 (every
+    activation gets one), its tiles are powers of two (Triton's block sizes) and the reductions'
+    chunks fill a GPU (at least one program per SM)."""
+    assert set(fused_norm.GEOMETRY) == {"stats", "apply", "grad_sums", "grad_apply"}
+    for name, table in fused_norm.GEOMETRY.items():
+        thresholds = [least for least, _ in table]
+        assert thresholds == sorted(thresholds, reverse=True) and thresholds[-1] == 0, name
+        for least, (elements, warps, per_sm) in table:
+            assert elements & (elements - 1) == 0 and warps in (1, 2, 4, 8, 16) and per_sm >= 1, (name, least)
+            assert fused_norm.geometry(name, least) == (elements, warps, per_sm)
+    # the sizes the sweep measured apart: the reductions take fewer programs on small activations
+    assert fused_norm.geometry("grad_sums", 512 * 640)[2] > fused_norm.geometry("grad_sums", 128 * 160)[2]
+    assert fused_norm.geometry("stats", 512 * 640)[2] > fused_norm.geometry("stats", 256 * 320)[2]

@@ -292,3 +292,28 @@ def test_train_flops_are_the_model_flops():
     assert model.flops_per_sample() == train_flops(model)
     small = DiT((8, 8), 3, 2, patch_size=2, hidden_size=16, depth=1, num_heads=2, attn_kernel=7)
     assert train_flops(small) > 0 and small.grid == (4, 4)  # kernel wider than the grid: 4 x 4 keys
+
+
+def test_flex_block_compiles_with_only_the_mask_builder_breaking_the_graph():
+    """A DiT block on the flex path under dynamo: the only graph breaks are the block-mask
+    builder's (eager by design, once per geometry); anything else (a warnings context, a view
+    of the qkv projection crossing the break) would leave part of the attention to eager
+    autograd. Forward only: CPU flex has no backward."""
+    from torch._dynamo.utils import counters
+
+    from recipes.stormscope.dit import DiTBlock
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    block = DiTBlock(64, 4, 4.0, 5, rope=False, impl="flex")
+    x, c = torch.randn(2, 16, 32, 64), torch.randn(2, 64)
+    with torch.no_grad():
+        want = block(x, c)
+        got = torch.compile(block.forward, backend="eager")(x, c)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    reasons = [r.splitlines()[0] for r in counters["graph_break"]]
+    assert reasons and all("torch.compiler.disable" in r for r in reasons), reasons
+    # q, k, v leave the compiled projection as tensors of their own, not views of its output
+    q, k, v = torch.compile(block.attn.project, backend="aot_eager")(x)
+    assert all(t._base is None for t in (q, k, v))
