@@ -5,7 +5,8 @@ FSDP2 units, e.g. a UNet's residual blocks or a transformer's blocks), once per 
 input signature. All instances of a class share one code object, so torch.compile caches
 one graph per distinct signature (channels, up/down, attention, resolution) and every block
 with that signature reuses it: a 78.6 M-parameter UNet of 55 blocks has 22-24 signatures
-(graphs). The parts between blocks (input conv, output head, loss) stay eager.
+(graphs). The parts between blocks (input conv, output head, loss) stay eager, except the
+layers a model names in ``compile_regions`` (``named_regions``), compiled like the blocks.
 
 Why not ``unit.compile()`` per block (what this replaced): every block compiled
 ``nn.Module._call_impl``, one code object for all 55, so after dynamo's default
@@ -57,6 +58,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from framework.errors import ConfigError
 
 log = logging.getLogger("framework")
 
@@ -393,15 +396,31 @@ def compile_model(
 
 def named_regions(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """The submodules a model asks to compile besides its repeated blocks: each module's
-    ``compile_regions`` attribute, paths below it (a single layer outside every block whose
-    eager kernels cost time, e.g. a model's output norm: docs/benchmarks.md, run 10). A region
-    inside a unit is left to it."""
+    ``compile_regions`` attribute, a tuple of paths below it (a single layer outside every block
+    whose eager kernels cost time, e.g. a model's output norm: docs/benchmarks.md, run 10).
+
+    A region inside a unit is left to it, one that holds a unit would compile the unit twice and
+    is refused, a layer named twice (by a wrapper and by the model) is compiled once, and one
+    without trainable parameters is left eager like such blocks (``find_units``)."""
     out: list[tuple[str, nn.Module]] = []
+    seen = {id(m) for _, m in units}
     for prefix, module in model.named_modules():
-        for path in getattr(module, "compile_regions", ()):
+        paths = getattr(module, "compile_regions", ())
+        if not isinstance(paths, (tuple, list)):
+            raise ConfigError(f"{type(module).__name__}.compile_regions: a tuple of submodule paths, got {paths!r}")
+        for path in paths:
             name = f"{prefix}.{path}" if prefix else path
-            if not any(name == u or name.startswith(u + ".") for u, _ in units):
-                out.append((name, module.get_submodule(path)))
+            try:
+                region = module.get_submodule(path)
+            except AttributeError:
+                raise ConfigError(f"{type(module).__name__}.compile_regions: no submodule {path!r}") from None
+            if any(u.startswith(name + ".") for u, _ in units):
+                raise ConfigError(f"compile_regions: {name!r} holds compiled blocks; name a layer outside them")
+            inside = any(name.startswith(u + ".") for u, _ in units)
+            if inside or id(region) in seen or not any(p.requires_grad for p in region.parameters()):
+                continue
+            seen.add(id(region))
+            out.append((name, region))
     return out
 
 

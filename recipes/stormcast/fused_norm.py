@@ -176,7 +176,8 @@ if triton is not None:
 # (elements per tile, warps per program, programs per SM for the two reductions). The fastest of
 # `benchmarks/group_norm.py --sweep` on an H200 (bf16, channels-last, batch 4, each of the
 # regression UNet's activations timed alone, replayed as a CUDA graph): the reductions want
-# more programs on large activations and fewer on small ones, the input gradient four warps.
+# more programs on large activations and fewer on small ones (a setting: ``_chunks`` rounds the
+# chunks to powers of two of tiles, so fewer launch), the input gradient four warps.
 GEOMETRY: dict[str, tuple[tuple[int, tuple[int, int, int]], ...]] = {
     "stats": ((327680, (4096, 4, 8)), (0, (4096, 4, 4))),
     "apply": ((0, (2048, 4, 8)),),
@@ -219,14 +220,10 @@ def _blocks(channels: int, channels_fast: bool, elements: int) -> tuple[int, int
     return max(1, elements // block_c), block_c
 
 
-_SMS: dict[int, int] = {}  # multiprocessors per CUDA device (a dict: dynamo warns on lru_cache)
-
-
 def _multiprocessors(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    # no cache of our own: dynamo folds this call to a constant (it warns on lru_cache, and would
+    # guard on a dict filled while tracing), and torch caches the properties anyway
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _chunks(x: torch.Tensor, b: int, pixels: int, cblocks: int, block_p: int, per_sm: int) -> tuple[int, int]:

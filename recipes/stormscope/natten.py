@@ -387,11 +387,12 @@ def _compiled_flex():
     return torch.compile(_flex_api()[1], dynamic=False)
 
 
-# Flex's kernel geometry on Hopper (sm90) for 16-bit heads of at most 64: the fastest of
-# inductor's own candidates (mode="max-autotune") at the StormScope preset's size (bf16, batch 4,
-# 16 heads of 48, 128 x 160 tokens, kernel 31) on an H200: forward 3.64 ms instead of 4.24,
-# backward 9.92 instead of 11.03 per layer. Fixed here rather than autotuned at run time, which
-# cost 62 s of the first step. Elsewhere flex picks its defaults.
+# Flex's kernel geometry on Hopper (sm90) for 16-bit heads of 48: the fastest of inductor's own
+# candidates (mode="max-autotune") at the StormScope preset's size (bf16, batch 4, 16 heads of
+# 48, 128 x 160 tokens, kernel 31) on an H200: forward 3.63 ms instead of 4.23, backward 9.88
+# instead of 11.01 per layer (benchmarks/flex_options.py). Fixed here rather than autotuned at
+# run time, which cost a minute of the first step. Other head sizes and GPUs (not measured)
+# keep flex's defaults.
 _SM90_FLEX_OPTIONS = {
     "fwd_BLOCK_M": 128,
     "fwd_BLOCK_N": 64,
@@ -408,7 +409,7 @@ _SM90_FLEX_OPTIONS = {
 
 def _kernel_options(q: torch.Tensor) -> dict | None:
     """Kernel options for compiled flex on ``q``'s GPU (None: flex's defaults)."""
-    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] > 64:
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] != 48:
         return None
     props = torch.cuda.get_device_properties(q.device)  # (dynamo folds this one to a constant)
     if (props.major, props.minor) == (9, 0):

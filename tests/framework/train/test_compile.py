@@ -67,7 +67,9 @@ def _train(model, batches) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("recipe", ["stormcast", "stormcast_fast", "stormcast_diffusion", "stormscope"])
+@pytest.mark.parametrize(
+    "recipe", ["stormcast", "stormcast_fast", "stormcast_diffusion", "stormcast_diffusion_fast", "stormscope"]
+)
 def test_gpu_presets_compile_on_cuda_and_stay_eager_on_cpu(compose, recipe):
     setting = compose([f"recipe={recipe}", "data.root=/data"]).trainer.compile
     assert setting is None  # auto
@@ -78,8 +80,9 @@ def test_gpu_presets_compile_on_cuda_and_stay_eager_on_cpu(compose, recipe):
     # allocated without CUDA graphs, 28.1 against 41.1 GiB reserved with them)
     trainer = compose([f"recipe={recipe}", "data.root=/data"]).trainer
     assert trainer.compile_memory_budget == (0.7 if recipe in ("stormcast", "stormcast_fast") else 1.0)
-    # CUDA graphs where measured (the SongUNet presets: auto, i.e. on under sharding=none)
-    assert trainer.compile_cudagraphs == (None if recipe.startswith("stormcast") else False)
+    # CUDA graphs where measured (auto, i.e. on under sharding=none): the bf16 StormCast presets
+    cudagraphs = recipe in ("stormcast_fast", "stormcast_diffusion_fast")
+    assert trainer.compile_cudagraphs == (None if cudagraphs else False)
     assert compose([]).trainer.compile_cudagraphs is False
 
 
@@ -494,3 +497,35 @@ def test_a_model_names_regions_to_compile_besides_its_blocks():
     x, y = _batches(1)[0]
     torch.nn.functional.mse_loss(model(x), y).backward()
     assert c.stats()["graph_breaks"] == 0 and model.net.out_norm.weight.grad is not None
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():  # validation: the eager forward, nothing traced
+        model.eval()(x)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize(
+    "regions,error",
+    [
+        (("no_such",), "no submodule 'no_such'"),
+        (("enc",), "'enc' holds compiled blocks"),
+        ("out_norm", "a tuple of submodule paths"),
+    ],
+    ids=["missing", "holds-blocks", "not-a-tuple"],
+)
+def test_a_bad_compile_region_is_a_config_error_naming_it(monkeypatch, regions, error):
+    from framework.errors import ConfigError
+
+    monkeypatch.setattr(SongUNet, "compile_regions", regions)
+    with pytest.raises(ConfigError, match=error):
+        compile_model(_model(), device_type="cpu", backend="eager")
+
+
+def test_a_region_named_twice_or_frozen_is_compiled_once_or_not_at_all(monkeypatch):
+    model = _model()
+    monkeypatch.setattr(SongUNet, "compile_regions", ("out_norm", "out_norm"))
+    names = [n for n, _ in compile_model(model, device_type="cpu", backend="eager").units_list]
+    assert names.count("out_norm") == 1
+    frozen = _model()
+    frozen.out_norm.requires_grad_(False)
+    names = [n for n, _ in compile_model(frozen, device_type="cpu", backend="eager").units_list]
+    assert "out_norm" not in names

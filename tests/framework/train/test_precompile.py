@@ -69,7 +69,8 @@ def test_discover_finds_each_distinct_block_call_once():
     every = precompile.plan_jobs(2, compiled, model, _Task(), 2, _Precision(), torch.device("cpu"))
     # the output GroupNorm the SongUNet names as a region: one job of its own, with its keyword
     (norm,) = [j for j in every if type(j.block).__name__ == "GroupNorm"]
-    assert norm.kwargs == {"silu": True} and norm.block.compiled_form == model.out_norm.compiled_form
+    # its GroupNorm form resolved before the copy (on CPU, no CUDA graphs: inductor's)
+    assert norm.kwargs == {"silu": True} and norm.block.compiled_form == "explicit"
     jobs = [j for j in every if j is not norm]
     assert 0 < len(jobs) <= len(seen)
     shapes = {(tuple(j.args[0][1]), j.args[2] is not None) for j in jobs}
