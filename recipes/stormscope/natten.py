@@ -453,10 +453,10 @@ def flex_neighbourhood_attention(
     fake = isinstance(q, torch._subclasses.FakeTensor)
     mask = _block_mask.__wrapped__(*geometry) if fake else _EAGER_BLOCK_MASK(*geometry)
     fn = _flex_for(q)
-    # compiled flex only: the compiled callable above, or eager flex traced into a compiled block
-    compiled = fn is not _flex_api()[1] or torch.compiler.is_compiling()
-    options = _kernel_options(q) if compiled else None
-    if torch.compiler.is_compiling():  # (dynamo cannot trace catch_warnings: the rest would run eager)
+    compiling = torch.compiler.is_compiling()  # eager flex traced into a compiled block
+    # kernel options for compiled flex only: the compiled callable above, or flex traced here
+    options = _kernel_options(q) if compiling or fn is not _flex_api()[1] else None
+    if compiling:  # (dynamo cannot trace catch_warnings: the rest would run eager)
         out = fn(qt, kt, vt, block_mask=mask, kernel_options=options)
     else:
         with warnings.catch_warnings():  # eager (CPU) flex warns that it is not compiled: that is the point here
