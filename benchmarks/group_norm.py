@@ -29,13 +29,30 @@ SHAPES = {  # name -> (channels, rows, cols): norm0 of a decoder block, of an en
     "enc0": (128, 512, 640),
     "enc1": (256, 256, 320),
 }
-# (channels, rows, cols) -> norms per step of the StormCast regression UNet at 512x640 (each
-# runs every kernel once; the forward's apply twice where the memory budget recomputes it)
-STEP_NORMS = {
-    (384, 512, 640): 1, (256, 512, 640): 5, (128, 512, 640): 15, (512, 256, 320): 4,
-    (384, 256, 320): 1, (256, 256, 320): 15, (128, 256, 320): 2, (512, 128, 160): 5,
-    (256, 128, 160): 17, (512, 64, 80): 5, (256, 64, 80): 17, (512, 32, 40): 5, (256, 32, 40): 20,
-}  # fmt: skip
+
+
+def step_norms() -> dict[tuple[int, int, int], int]:
+    """(channels, rows, cols) -> norms per step of the StormCast regression UNet at 512x640
+    (``scaling.py``'s model), largest first, from one forward on the meta device. Each runs every
+    kernel once; the forward's apply twice where the memory budget recomputes it."""
+    from collections import Counter
+
+    import torch
+
+    from benchmarks.scaling import PAPER
+    from recipes.stormcast.layers import GroupNorm
+    from recipes.stormcast.songunet import SongUNet
+
+    with torch.device("meta"):
+        model = SongUNet((512, 640), 127, 99, embedding_type="zero", dropout=0.0, **PAPER)
+        seen: Counter = Counter()
+        for m in model.modules():
+            if isinstance(m, GroupNorm):
+                m.register_forward_pre_hook(lambda _, args: seen.update([tuple(args[0].shape[1:])]))
+        model(torch.empty(1, 127, 512, 640))
+    return dict(sorted(seen.items(), key=lambda kv: (-kv[0][1] * kv[0][2], -kv[0][0])))
+
+
 # bytes each kernel must move, in activations: stats reads x; apply reads x, writes y;
 # grad_sums reads the gradient and x; grad_apply reads both and writes dx
 KERNEL_BYTES = {"stats": 1, "apply": 2, "grad_sums": 2, "grad_apply": 3}
@@ -165,12 +182,12 @@ def _kernel_calls(shape: tuple[int, int, int], batch: int) -> dict:
 
 
 def kernels(batch: int, iters: int) -> dict:
-    """Each kernel's ms on each shape of STEP_NORMS, and its total over the step's norms."""
+    """Each kernel's ms on each shape of ``step_norms``, and its total over the step's norms."""
     import torch
 
     print(f"{'shape':>16} {'norms':>5}  " + "  ".join(f"{k:>17}" for k in KERNEL_BYTES) + "   (ms, GB/s)")
     totals = dict.fromkeys(KERNEL_BYTES, 0.0)
-    for shape, count in STEP_NORMS.items():
+    for shape, count in step_norms().items():
         calls = _kernel_calls(shape, batch)
         nbytes = batch * shape[0] * shape[1] * shape[2] * 2
         cells = []
@@ -198,7 +215,7 @@ def sweep(batch: int, iters: int) -> None:
     tiles = [(e, w) for e in (1024, 2048, 4096, 8192) for w in (4, 8)]
     gain = 0.0
     print("sweep: kernel, shape: default ms -> best ms (elements per tile, warps, programs per SM)")
-    for shape, count in STEP_NORMS.items():
+    for shape, count in step_norms().items():
         if shape[1] * shape[2] < 128 * 160:  # the small ones: launch-bound, all geometries alike
             continue
         pixels = shape[1] * shape[2]
