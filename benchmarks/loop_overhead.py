@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from framework.cli import compose
-from framework.config.validate import validate
-from framework.logging.jsonl import read
-from framework.runtime import run_job
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from framework.cli import compose  # noqa: E402
+from framework.config.validate import validate  # noqa: E402
+from framework.logging.jsonl import read  # noqa: E402
+from framework.runtime import run_job  # noqa: E402
 
 WARMUP = 10  # steps excluded from timing (first-step FLOP count, allocator warm-up)
 

@@ -233,7 +233,7 @@ def _run(run, run_dir: Path, env, degrees, device) -> JobResult:
             units=list(run.sharding.units),
             device_type=device.type,
             deterministic=run.deterministic,
-            cache_dir=run_dir / "compile_cache",
+            cache_dir=compile_mod.user_cache_dir(),
             memory_budget=run.trainer.compile_memory_budget,
             cudagraphs=compile_mod.cudagraphs_wanted(
                 run.trainer.compile_cudagraphs, device.type, *_cudagraph_layout(run, degrees)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config):
+    # The compiled-kernel cache lives under XDG_CACHE_HOME (framework.train.compile): tests get
+    # their own, not the user's ~/.cache.
+    os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="framework-tests-cache-"))
     # Under pytest-xdist the workers share the cores: one thread per process (inherited by the
     # runs a test launches), else two multi-threaded runs on two cores oversubscribe them (the
     # main-job test took 4.5x longer).

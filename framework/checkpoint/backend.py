@@ -112,7 +112,7 @@ def read_meta(path: Path) -> dict:
         raise DataError(f"checkpoint {path} is incomplete or corrupt: no {META} ({why})")
     try:
         meta = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
         from framework.checkpoint.io import first_line
 
         raise DataError(f"checkpoint {path} is corrupt: {META} cannot be read ({first_line(e)})") from None

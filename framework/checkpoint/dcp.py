@@ -12,7 +12,8 @@ Nothing read from a checkpoint executes code:
   to ``extra.pt``): DCP would pickle such values, and unpickle them on load with
   ``weights_only=False``;
 - DCP's pickled ``.metadata`` is read through an allow-list unpickler (DCP's metadata
-  classes, ``torch.Size``, dtypes; nothing callable);
+  classes, ``torch.Size``, dtypes; nothing callable; only instances of its dataclasses
+  filled in, so the file cannot patch a class for the process);
 - every ``.metadata`` entry is then checked before DCP reads any data: tensor entries
   only (a ``BytesStorageMetadata`` entry, which DCP would read with
   ``torch.load(weights_only=False)``, is refused), under ``model.`` / ``optimizer.state.``,
@@ -23,7 +24,9 @@ Nothing read from a checkpoint executes code:
 
 from __future__ import annotations
 
-import pickle
+import dataclasses
+import functools
+import importlib
 import re
 import warnings
 from pathlib import Path
@@ -41,6 +44,7 @@ from framework.checkpoint.io import first_line as _first_line
 from framework.checkpoint.io import load_plain, save_durable
 from framework.checkpoint.manifest import listed
 from framework.errors import DataError
+from framework.safe_unpickle import Refused, RestrictedUnpickler
 
 # Single-process saves and loads are intended (no_dist); DCP warns about them anyway.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -145,6 +149,9 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+_MAX_LIST_INDEX = 1 << 12  # DCP's set_element pads a list up to the index: a crafted 10**9 is memory
+
+
 def _plain(small: dict, directory: Path) -> list[tuple[tuple, object]]:
     """The non-tensor values of the model/optimizer state (``extra.pt``): (path, value)."""
     plain = small.get(PLAIN) or []
@@ -153,7 +160,7 @@ def _plain(small: dict, directory: Path) -> list[tuple[tuple, object]]:
         and len(p) == 2
         and isinstance(p[0], tuple)
         and p[0]
-        and all(isinstance(k, (str, int)) for k in p[0])
+        and all(isinstance(k, str) or (type(k) is int and 0 <= k < _MAX_LIST_INDEX) for k in p[0])
         for p in plain
     )
     if not ok:
@@ -191,19 +198,30 @@ _DCP_CLASSES = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` and nothing else (no arbitrary callables).
+@functools.cache
+def _metadata_globals() -> tuple[dict, tuple[type, ...]]:
+    """What DCP's ``.metadata`` may name (its classes, ``torch.Size``, dtypes), and the classes
+    whose instances it may fill in (its dataclasses). Dtypes are looked up in ``vars(torch)``:
+    ``getattr`` would import whichever lazy submodule of torch the file names."""
+    allowed: dict = {("torch", "Size"): torch.Size}
+    allowed.update({("torch", k): v for k, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    for module, names in _DCP_CLASSES.items():
+        mod = importlib.import_module(module)
+        allowed.update({(module, n): getattr(mod, n) for n in names})
+    dcp_classes = [v for (m, _), v in allowed.items() if m.startswith("torch.distributed.checkpoint")]
+    buildable = tuple(v for v in dcp_classes if isinstance(v, type) and dataclasses.is_dataclass(v))
+    return allowed, buildable
+
+
+def _metadata_unpickler(f):
+    """Unpickles DCP's ``.metadata`` and nothing else: no callables beyond its own classes, and
+    only their instances filled in (:mod:`framework.safe_unpickle`).
 
     ``BytesStorageMetadata`` is a plain marker class and may be unpickled; an entry of that
     kind is then refused by :func:`check_entries`, by name, before anything reads it.
     """
-
-    def find_class(self, module, name):
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if name in _DCP_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+    allowed, buildable = _metadata_globals()
+    return RestrictedUnpickler(f, allowed, buildable)
 
 
 def read_metadata(directory: Path):
@@ -212,11 +230,13 @@ def read_metadata(directory: Path):
     path = Path(directory) / METADATA
     try:
         with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata = _metadata_unpickler(f).load()
     except FileNotFoundError:
         raise DataError(f"checkpoint {directory} is incomplete: no DCP {METADATA} file") from None
-    except Exception as e:
-        raise DataError(f"checkpoint file {path} cannot be read: {_first_line(e)}") from None
+    except Refused as e:
+        raise DataError(f"checkpoint file {path} cannot be read: {e} in checkpoint metadata") from None
+    except Exception as e:  # truncated or not a pickle at all
+        raise DataError(f"checkpoint file {path} cannot be read: not DCP metadata ({_first_line(e)})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise DataError(f"checkpoint file {path} cannot be read: not DCP metadata")
     return metadata

@@ -102,7 +102,7 @@ def _read_json(path: Path):
         value = json.loads(path.read_text())
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
         return None, f"{path.name} cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
     if not isinstance(value, dict):
         return None, f"{path.name} is not an object"

@@ -410,6 +410,7 @@ class CheckpointManager:
         missing = [p for p in ckpt_state.PARTS if p != "rng" and p not in state and p not in exclude]
         if missing:
             raise DataError(f"checkpoint {path} lacks {', '.join(missing)}")
+        ckpt_state.check(trainer, state, path, exclude)
         ckpt_state.restore(trainer, state, exclude=exclude, full=reader.full_state)
         if meta.get("init_from"):  # kept by the checkpoints to come: the run started from it
             trainer.init_from = meta["init_from"]

@@ -168,7 +168,7 @@ def read(directory: Path) -> dict | None:
         ) from None
     try:
         m = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
         raise CorruptCheckpoint(f"checkpoint {directory} is corrupt: {MANIFEST} cannot be read ({e})") from None
     _check_schema(directory, m)
     return m

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from framework.errors import DataError
 
 PARTS = ("model", "optimizer", "schedule", "scaler", "rng", "data")
 TENSOR_PARTS = ("model", "optimizer")  # sharded under FSDP2; the rest is small and replicated
@@ -116,6 +119,46 @@ def template(t, exclude=()) -> dict:
     if "optimizer" not in exclude:
         out["optimizer"] = get_optimizer_state_dict(t.model, t.optimizer, options=opts)
     return out
+
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check(t, state: dict, path, exclude=()) -> None:
+    """What a checkpoint holds beyond tensors, checked before any of it is applied (one-line
+    DataError). ``LambdaLR.load_state_dict`` copies the schedule's dict onto the scheduler and
+    each ``lr_lambdas`` entry onto that factor's ``__dict__``: so the schedule may hold the live
+    scheduler's own entries, each of the same type, and factor state only for fields the live
+    factor has (ours are functions, saved as None); an entry the live one lacks is refused if
+    it names one of its attributes (``optimizer``), else dropped (a field an older torch
+    saved). The run id (wandb resumes that run) must be an id."""
+    if "schedule" not in exclude:
+        schedule, live = state.get("schedule"), t.scheduler.state_dict()
+        if not isinstance(schedule, dict):
+            raise DataError(f"checkpoint {path}: the LR schedule's state is a {type(schedule).__name__}, not a dict")
+        for k, v in schedule.items():
+            if k in live and type(v) is not type(live[k]):
+                got, want = type(v).__name__, type(live[k]).__name__
+                raise DataError(f"checkpoint {path}: the LR schedule's {k} is a {got}, expected a {want}")
+            if k not in live and (not isinstance(k, str) or hasattr(t.scheduler, k)):
+                raise DataError(f"checkpoint {path}: the LR schedule's state sets {str(k)[:80]!r}, which is not state")
+        lambdas, mine = schedule.get("lr_lambdas", live.get("lr_lambdas")), live.get("lr_lambdas")
+        if mine is not None and not _same_lambda_fields(lambdas, mine):
+            raise DataError(f"checkpoint {path}: the LR schedule's lr_lambdas set fields this run's factors lack")
+        state["schedule"] = {k: v for k, v in schedule.items() if k in live}
+    meta = state.get("meta")
+    run_id = meta.get("run_id") if isinstance(meta, dict) else None
+    if run_id is not None and not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
+        raise DataError(f"checkpoint {path}: run id {str(run_id)[:80]!r} is not a run id (letters, digits, _ and -)")
+
+
+def _same_lambda_fields(saved, live) -> bool:
+    """Each saved factor's state names only fields the live factor has (a plain function: none)."""
+    if not isinstance(saved, list) or len(saved) != len(live):
+        return False
+    return all(
+        s is None if f is None else isinstance(s, dict) and set(s) <= set(f) for s, f in zip(saved, live, strict=True)
+    )
 
 
 def restore(t, state: dict, *, exclude=(), full: bool) -> None:

@@ -38,10 +38,14 @@ cudagraph trees, one launch per graph, where the parameters stay at fixed addres
 Only training steps (grad enabled) run compiled; validation and sampling (no_grad) run the
 eager forward, so they cost no second set of compiles.
 
-Cache: the inductor/Triton cache goes to ``<run dir>/compile_cache`` unless
-``TORCHINDUCTOR_CACHE_DIR`` is set, so a resumed job (same run dir) loads the compiled
-kernels instead of compiling again (dynamo still traces: an 8 s first step on an H200 with a
-warm cache, against 143-216 s cold for the regression preset). For moving caches
+Cache: the inductor/Triton cache goes to the user's own ``~/.cache/framework/compile``
+(``$XDG_CACHE_HOME`` moves it) unless ``TORCHINDUCTOR_CACHE_DIR`` is set, so a resumed job, or
+another run of the same model, loads the compiled kernels instead of compiling again. It is
+never in the run dir: inductor unpickles and imports what it finds in its cache, and a run dir
+may come from someone else (a shared or copied run), so the cache must be a directory only
+this user writes (checked: owned by the user, not writable by others). With a warm cache
+dynamo still traces: an 8 s first step on an H200, against 143-216 s cold for the
+regression preset. For moving caches
 between machines torch has the portable "mega-cache" (``torch.compiler.save_cache_artifacts``
 / ``load_cache_artifacts``).
 """
@@ -210,6 +214,30 @@ class Compiled:
         )
 
 
+def user_cache_dir() -> Path:
+    """Where compiled kernels are cached unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "framework" / "compile"
+
+
+def private_dir(path: Path) -> Path:
+    """``path``, created if need be (mode 700); refused (ConfigError) unless this user owns it
+    and no one else may write to it: inductor runs the code it finds in its cache."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise ConfigError(
+            f"compile cache {path} belongs to another user (uid {st.st_uid}), and inductor runs the code it "
+            f"finds there; set TORCHINDUCTOR_CACHE_DIR or XDG_CACHE_HOME to a directory of your own"
+        )
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"compile cache {path} may be written by others (mode {st.st_mode & 0o777:o}), and inductor runs "
+            f"the code it finds there; chmod go-w it, or set TORCHINDUCTOR_CACHE_DIR to a directory only you write"
+        )
+    return path
+
+
 def _set_cache_dir(cache_dir: Path | None) -> str:
     """The run's cache dir, unless the user set one. Torch writes its default into the variable
     the first time it asks (an import may have done so): that value counts as unset."""
@@ -221,7 +249,7 @@ def _set_cache_dir(cache_dir: Path | None) -> str:
     except ImportError:  # older layout of torch's private modules
         default = None
     if cache_dir is not None and (current is None or os.path.abspath(current) == default):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_dir(Path(cache_dir)).resolve())
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "(torch default)")
 
 

@@ -11,7 +11,7 @@ they can be built side by side, as neuron_parallel_compile does for its graphs:
 2. ``precompile``: worker processes (spawned, one GPU share each on the rank's device) each
    take some of the distinct (block structure, inputs) pairs, build that block, run its
    compiled forward and backward once on random tensors of those shapes, and so fill inductor's
-   on-disk cache (``<run dir>/compile_cache``, or ``TORCHINDUCTOR_CACHE_DIR``).
+   on-disk cache (the user's ``~/.cache/framework/compile``, or ``TORCHINDUCTOR_CACHE_DIR``).
 3. The first real step then compiles every block from that cache: dynamo traces, AOTAutograd
    traces, inductor loads the built graph (its FX graph cache), and Triton loads the kernels.
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import datetime as _dt
 import io
 import os
-import pickle
 import re
 from pathlib import Path
 
 import numpy as np
 
 from framework.errors import DataError
+from framework.safe_unpickle import Refused, RestrictedUnpickler
 from recipes.weather import layout
 
 _EPOCH = np.datetime64("1970-01-01T00:00:00", "s")
@@ -208,14 +208,10 @@ def sample_hour_bounds(years) -> tuple[int, int]:
 # ----------------------------------------------------------------- the missing-samples file
 
 
-class _Refused(Exception):
-    pass
-
-
 def _guarded_scalar(real):
     def scalar(dtype, *args):
         if not isinstance(dtype, np.dtype) or dtype.kind not in "MmUS":
-            raise _Refused(f"a numpy scalar of dtype {dtype!r}")
+            raise Refused(f"a numpy scalar of dtype {dtype!r} is not allowed")
         return real(dtype, *args)
 
     return scalar
@@ -242,21 +238,19 @@ def _allowed_globals() -> dict:
     return allowed
 
 
-class _SafeUnpickler(pickle.Unpickler):
+def _check_built(obj) -> None:
+    """A dtype's pickled state can rewrite its flags: an object dtype without its "holds
+    objects" flag makes numpy read the array's raw bytes as object pointers. Every dtype built
+    must equal numpy's own for its type string, flags included."""
+    if isinstance(obj, np.dtype):
+        own = np.dtype(obj.str)
+        if obj.kind not in "OMmUS" or obj != own or obj.flags != own.flags or obj.itemsize != own.itemsize:
+            raise Refused(f"a dtype with altered state ({obj.str}, flags {obj.flags}) is not allowed")
+
+
+def _safe_unpickler(fp):
     """Only numpy arrays (object, datetime or string dtypes) and datetime objects."""
-
-    def __init__(self, fp):
-        super().__init__(fp)
-        self._allowed = _allowed_globals()
-
-    def find_class(self, module, name):
-        try:
-            return self._allowed[(module, name)]
-        except KeyError:
-            raise _Refused(f"'{module}.{name}'") from None
-
-    def persistent_load(self, pid):
-        raise _Refused("a persistent id")
+    return RestrictedUnpickler(fp, _allowed_globals(), (np.ndarray, np.dtype), _check_built)
 
 
 def _read_npy_header(fp, path: Path):
@@ -331,10 +325,10 @@ def load_missing_hours(path: str | Path) -> np.ndarray:
             )
         return _to_hours(values, path)
     try:
-        values = _SafeUnpickler(fp).load()
-    except _Refused as exc:
+        values = _safe_unpickler(fp).load()
+    except Refused as exc:
         raise DataError(
-            f"{path}: refused to unpickle the missing-samples file: it references {exc}, and only "
+            f"{path}: refused to unpickle the missing-samples file: {exc}; only "
             f"numpy arrays of datetimes or strings are allowed (save it as datetime64: "
             f"np.save(path, np.array(times, dtype='datetime64[h]')))"
         ) from None

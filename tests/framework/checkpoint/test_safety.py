@@ -4,7 +4,10 @@ outside the checkpoint; errors are one line and never advise ``weights_only=Fals
 from __future__ import annotations
 
 import json
+import pathlib
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,12 +186,50 @@ def test_metadata_with_code_is_refused_by_the_unpickler(tmp_path):
     settle_manifest(path, "reforge")
     with pytest.raises(
         DataError,
-        match=r".metadata cannot be read: (builtins|io).open is not allowed in checkpoint "
-        r"metadata",
+        match=r".metadata cannot be read: '(builtins|io).open' is not allowed in checkpoint metadata",
     ):
         m.load(path, make_trainer(seed=1))
     assert not marker.exists()
     assert json.loads((path / "manifest.json").read_text())["files"][".metadata"]  # the forged manifest matched
+
+
+def _binunicode(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def test_metadata_that_patches_an_allowed_class_is_refused(tmp_path):
+    """Naming only allowed globals is not enough: pickle's BUILD would set attributes on the
+    class itself (here: every PosixPath.is_file made truthy for the whole process)."""
+    m, _, path = saved(tmp_path)
+    legit = (path / ".metadata").read_bytes()
+    patch = (
+        b"cpathlib\nPosixPath\n"  # the class, not an instance
+        + b"N}"
+        + _binunicode("is_file")
+        + b"cpathlib\nPath\ns\x86b0"  # BUILD (None, {"is_file": Path}), then POP
+    )
+    (path / ".metadata").write_bytes(legit[:2] + patch + legit[2:])
+    settle_manifest(path, "reforge")
+    with pytest.raises(DataError, match=r"cannot be read: setting the state of pathlib.PosixPath is not allowed"):
+        m.load(path, make_trainer(seed=1))
+    assert not pathlib.PosixPath(tmp_path / "absent").is_file()
+
+
+def test_metadata_naming_a_torch_submodule_imports_nothing(tmp_path):
+    """A name under ``torch`` is looked up among the dtypes, never with getattr (torch imports
+    a lazy submodule the moment it is asked for one)."""
+    (tmp_path / ".metadata").write_bytes(b"\x80\x02ctorch\nonnx\n.")
+    code = (
+        "import sys; from framework.checkpoint.dcp import read_metadata\n"
+        "try: read_metadata(sys.argv[1])\nexcept Exception as e: print(e)\n"
+        "print('torch.onnx' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[-2:] == [
+        f"checkpoint file {tmp_path / '.metadata'} cannot be read: 'torch.onnx' is not allowed in checkpoint metadata",
+        "False",
+    ], out
 
 
 @pytest.mark.parametrize("backend", ["torch_save", "dcp"])
@@ -225,3 +266,58 @@ def test_tensor_data_that_is_a_pickle_is_refused_without_torchs_advice(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "it holds a pickled Python object" in err[0] and "weights_only" not in err[0], err
     assert not marker.exists()
+
+
+def _edit_small_state(path, backend: str, edit) -> None:
+    """Change the plain (non-tensor) part of a checkpoint as an attacker could, manifest re-forged."""
+    name = {"dcp": "extra.pt", "torch_save": "state.pt"}[backend]
+    state = torch.load(path / name, weights_only=True)
+    edit(state)
+    torch.save(state, path / name)
+    settle_manifest(path, "reforge")
+
+
+@pytest.mark.parametrize("backend", ["dcp", "torch_save"])
+@pytest.mark.parametrize(
+    "edit,error",
+    [
+        (lambda s: s["schedule"].update(optimizer=3), r"the LR schedule's state sets 'optimizer', which is not state"),
+        (lambda s: s["schedule"].update(last_epoch="1"), r"the LR schedule's last_epoch is a str, expected a int"),
+        (lambda s: s["schedule"].update(lr_lambdas=[{"__code__": 1}]), r"lr_lambdas set fields this run.s factors"),
+        (lambda s: s["meta"].update(run_id="../../other"), r"run id '../../other' is not a run id"),
+    ],
+    ids=["schedule-attribute", "schedule-type", "factor-state", "run-id"],
+)
+def test_plain_state_that_would_patch_the_trainer_is_refused(tmp_path, backend, edit, error):
+    """LambdaLR.load_state_dict copies what it is given onto the scheduler (and factor state onto
+    the factor): a checkpoint's schedule may only hold the scheduler's own state."""
+    m, t, path = saved(tmp_path, backend)
+    _edit_small_state(path, backend, edit)
+    b = make_trainer(seed=1)
+    with pytest.raises(DataError, match=error):
+        m.load(path, b)
+    assert b.scheduler.optimizer is b.optimizer and b.scheduler.last_epoch == 0 and b.run_id != "../../other"
+
+
+def test_a_schedule_field_only_an_older_torch_had_is_dropped(tmp_path):
+    m, t, path = saved(tmp_path)
+    _edit_small_state(path, "dcp", lambda s: s["schedule"].update(verbose=False))
+    b = make_trainer(seed=1)
+    m.load(path, b)
+    assert b.scheduler.last_epoch == t.scheduler.last_epoch and not hasattr(b.scheduler, "verbose")
+
+
+def test_a_plain_value_at_a_huge_list_index_is_refused(tmp_path):
+    """DCP's set_element pads a list up to the index: a 1 kB extra.pt could ask for 10**9 slots."""
+    m, _, path = saved(tmp_path)
+    _edit_small_state(path, "dcp", lambda s: s.setdefault("plain", []).append((("optimizer", "state", "x", 10**9), 1)))
+    with pytest.raises(DataError, match=r"extra.pt cannot be read: malformed 'plain' entry"):
+        m.load(path, make_trainer(seed=1))
+
+
+@pytest.mark.parametrize("name", ["meta.json", "manifest.json"])
+def test_json_nested_too_deep_is_a_corrupt_checkpoint_not_a_traceback(tmp_path, name):
+    m, _, path = saved(tmp_path)
+    (path / name).write_text("[" * 100_000)
+    with pytest.raises(DataError, match=rf"is corrupt: {name} cannot be read \(maximum recursion depth"):
+        m.load(path, make_trainer(seed=1))

@@ -529,3 +529,33 @@ def test_a_region_named_twice_or_frozen_is_compiled_once_or_not_at_all(monkeypat
     frozen.out_norm.requires_grad_(False)
     names = [n for n, _ in compile_model(frozen, device_type="cpu", backend="eager").units_list]
     assert "out_norm" not in names
+
+
+def test_the_compile_cache_is_the_users_own_never_the_run_dirs(monkeypatch, tmp_path):
+    """Inductor unpickles and imports what its cache holds, so a run dir from someone else must
+    not be it: the cache is per user, and one that others may write to is refused."""
+    import os
+    import stat
+
+    from framework.errors import ConfigError
+    from framework.train.compile import user_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache = tmp_path / "xdg" / "framework" / "compile"
+    assert user_cache_dir() == cache
+    compile_model(_model(), device_type="cpu", backend="eager", cache_dir=user_cache_dir())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache) and stat.S_IMODE(cache.stat().st_mode) == 0o700
+    cache.chmod(0o777)  # a shared directory: anyone could plant code in it
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    with pytest.raises(ConfigError, match=rf"compile cache {cache} may be written by others \(mode 777\)"):
+        compile_model(_model(), device_type="cpu", backend="eager", cache_dir=cache)
+    if os.getuid() == 0:  # only root can hand a directory to another user
+        cache.chmod(0o700)
+        os.chown(cache, 65534, 65534)
+        with pytest.raises(ConfigError, match=rf"compile cache {cache} belongs to another user \(uid 65534\)"):
+            compile_model(_model(), device_type="cpu", backend="eager", cache_dir=cache)
+    mine = tmp_path / "mine"  # the user's own TORCHINDUCTOR_CACHE_DIR is their choice, unchecked
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(mine))
+    compile_model(_model(), device_type="cpu", backend="eager", cache_dir=cache)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(mine)

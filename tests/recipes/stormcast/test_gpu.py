@@ -156,9 +156,10 @@ def test_cuda_graphs_train_like_eager_on_gpu(micro, monkeypatch):
 @pytest.mark.parametrize(
     "extra", [[], ["trainer.compile_cudagraphs=true", "trainer.grad_accum=2"]], ids=["compile", "cudagraphs"]
 )
-def test_trainer_compile_true_on_gpu(tmp_path, extra):
+def test_trainer_compile_true_on_gpu(tmp_path, monkeypatch, extra):
     """The CLI path: trainer.compile=true compiles the blocks and reports the counts in the log."""
     data, run = tmp_path / "data", tmp_path / "run"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     proc = cli(
         [
             *DATA,
@@ -184,5 +185,6 @@ def test_trainer_compile_true_on_gpu(tmp_path, extra):
     assert "compile: first compiled step" in log and " 0 graph breaks" in log, log[-3000:]
     if extra:
         assert "CUDA graphs on, 0 graphs not captured" in log, log[-3000:]
-    assert (run / "compile_cache").is_dir()  # a resumed job in this run dir reuses the kernels
+    # the kernels are cached for the user (a resumed job reuses them), never in the run dir
+    assert not (run / "compile_cache").exists() and any((tmp_path / "xdg" / "framework" / "compile").iterdir())
     assert all(np.isfinite(train_losses(run)))

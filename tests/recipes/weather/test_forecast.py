@@ -302,6 +302,7 @@ def test_sampler_dtype_float64(stages, reference):
         (["infer.diffusion=/nonexistent.pt"], "infer.diffusion: /nonexistent.pt does not exist"),
         (["+infer.x._target_=os.system"], "os.system"),
         (["precision=fp16"], "precision: 'fp16' is not used for inference"),
+        (["precision=tf32"], "precision: 'tf32' is not used for inference; use one of fp32, bf16"),
         (["+hydra.job.env_set.LD_PRELOAD=/x.so"], "hydra.job.env_set"),  # training's gate
         (["parallel=fsdp2_domain"], "parallel: dp_replicate x dp_shard x domain"),
     ],

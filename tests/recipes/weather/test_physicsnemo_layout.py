@@ -415,6 +415,42 @@ def test_malicious_missing_samples_pickle_is_refused(ref, tmp_path):
         make(root, [2021])
 
 
+class _FlaglessObjectDtype:
+    """A copy of numpy's object dtype whose pickled state clears its "holds objects" flag."""
+
+    def __reduce__(self):
+        return (np.dtype, ("O", False, True), (3, "|", None, None, None, -1, -1, 0))
+
+
+class _ArrayFromRawBytes:
+    """An array of that dtype rebuilt from raw bytes: numpy would read them as object pointers."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    def __reduce__(self):
+        return (
+            np.ndarray.__reduce__(np.zeros(0))[0],
+            (np.ndarray, (0,), b"b"),
+            (1, (1,), _FlaglessObjectDtype(), False, self.raw),
+        )
+
+
+def test_missing_samples_pickle_with_an_altered_dtype_is_refused(tmp_path):
+    """Only allowed names, yet memory-unsafe: the dtype's state is checked as it is built."""
+    evil = tmp_path / "missing.npy"
+    with open(evil, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "|O", "fortran_order": False, "shape": (1,)})
+        pickle.dump(_ArrayFromRawBytes(id(None).to_bytes(8, "little")), f, protocol=2)
+    with pytest.raises(DataError, match=r"refused to unpickle the missing-samples file: a dtype with altered state"):
+        pn.load_missing_hours(evil)
+    legit = tmp_path / "legit.npy"  # the reference's own object array still loads
+    np.save(legit, np.array([dt.datetime(2021, 1, 1, 2)], dtype=object), allow_pickle=True)
+    assert pn.load_missing_hours(legit).tolist() == [
+        (dt.datetime(2021, 1, 1, 2) - dt.datetime(1970, 1, 1)) // dt.timedelta(hours=1)
+    ]
+
+
 # ------------------------------------------------------------------ synthetic data in the reference layout
 
 SYN = dict(height=16, width=16, hours_per_year=30, years=(2020, 2021), row_chunk=8)
