@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import re
 import warnings
 from pathlib import Path
@@ -364,6 +365,7 @@ def check_entries(metadata, directory: Path, *, expected: dict | None = None, pr
         if md.chunks and fqn not in stored:
             raise DataError(f"checkpoint {directory} is corrupt: {METADATA} has no storage for {fqn}")
         have[fqn] = (dtype, tuple(size))
+    _check_declared_bytes(metadata, directory, have)
     if expected is None:
         return
     for prefix in prefixes:
@@ -371,6 +373,20 @@ def check_entries(metadata, directory: Path, *, expected: dict | None = None, pr
             {k: v for k, v in have.items() if k.startswith(prefix)},
             {k: v for k, v in expected.items() if k.startswith(prefix)},
             directory,
+        )
+
+
+def _check_declared_bytes(metadata, directory: Path, have: dict[str, tuple]) -> None:
+    """Every element of every tensor is written once at least, so the tensors cannot hold more
+    bytes than the data files: a crafted shape would otherwise be allocated in full (export and
+    ``init_from`` allocate what the metadata declares) before any data is read."""
+    declared = sum(math.prod(shape) * dtype.itemsize for dtype, shape in have.values())
+    files = {info.relative_path for info in metadata.storage_data.values()}
+    on_disk = sum((directory / rel).stat().st_size for rel in files if (directory / rel).is_file())
+    if declared > on_disk:
+        raise DataError(
+            f"checkpoint {directory} is corrupt: {METADATA} declares {declared} bytes of tensors, "
+            f"its data files hold {on_disk}"
         )
 
 

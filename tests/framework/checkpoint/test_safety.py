@@ -321,3 +321,21 @@ def test_json_nested_too_deep_is_a_corrupt_checkpoint_not_a_traceback(tmp_path, 
     (path / name).write_text("[" * 100_000)
     with pytest.raises(DataError, match=rf"is corrupt: {name} cannot be read \(maximum recursion depth"):
         m.load(path, make_trainer(seed=1))
+
+
+def test_a_tensor_shape_larger_than_the_data_files_is_refused_before_allocation(tmp_path):
+    """Export allocates what .metadata declares: a crafted shape must not become a huge empty()."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from framework.checkpoint.dcp import load_model_weights
+
+    _, _, path = saved(tmp_path)
+    with open(path / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own file, in a test
+    fqn, entry = next((k, v) for k, v in md.state_dict_metadata.items() if k.startswith("model.") and len(v.size) == 2)
+    md.state_dict_metadata[fqn] = TensorStorageMetadata(entry.properties, torch.Size([2**20, 2**20]), entry.chunks)
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    settle_manifest(path, "reforge")
+    with pytest.raises(DataError, match=r"corrupt: .metadata declares \d+ bytes of tensors, its data files hold \d+$"):
+        load_model_weights(path)
