@@ -99,6 +99,11 @@ class Forecaster:
         self.autocast = (
             torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
         )
+        # As in training: no TF32 (torch's default lets cuDNN run fp32 convolutions in TF32).
+        from framework.config.schema import PrecisionConfig
+        from framework.distributed import precision as precision_mod
+
+        precision_mod.build(PrecisionConfig(name=precision), device).apply_backend_flags()
 
     @torch.no_grad()
     def step(self, state, background, invariants, lead: int) -> torch.Tensor:

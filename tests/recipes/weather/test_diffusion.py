@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from framework.logging.jsonl import read
 from scripts.loss_compare import compare
@@ -286,3 +287,17 @@ def test_other_condition_lists_train_without_a_regression_stage(stage1, conditio
     from framework.export import model_config
 
     assert model_config(read_meta(run / "checkpoints" / "step_00000002")["config"])["in_channels"] == channels
+
+
+def test_fp32_inference_runs_its_convolutions_without_tf32(stage1):
+    """Training's fp32 turns TF32 off; inference must compute the same way (torch's default
+    lets cuDNN run fp32 convolutions in TF32)."""
+    from recipes.stormcast.inference import Forecaster
+
+    export = stage1[3]
+    torch.backends.cudnn.allow_tf32 = True  # torch's default
+    try:
+        Forecaster(str(export), None, torch.device("cpu"), precision="fp32")
+        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
