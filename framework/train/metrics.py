@@ -35,6 +35,14 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def reserved_memory_gb(device: torch.device) -> float | None:
+    """GPU: peak held by torch's caching allocator, CUDA-graph pools included (what the card
+    must have; ``peak_memory_gb`` misses a graph pool's memory); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 2**30
+
+
 def count_flops(fn) -> tuple[Any, int]:
     """Run ``fn`` once under FlopCounterMode; returns (its result, FLOPs it executed)."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -415,6 +415,9 @@ class Trainer:
             "samples_per_s": sps,
             "mem_gb": metrics.peak_memory_gb(self.device),
         }
+        reserved = metrics.reserved_memory_gb(self.device)
+        if reserved is not None:
+            row["mem_reserved_gb"] = reserved
         if self.flops_per_sample:
             tflops = self.flops_per_sample * sps / 1e12
             row["tflops"] = tflops

@@ -29,6 +29,7 @@ def test_main_job_on_one_gpu(tmp_path):
     rows = read(tmp_path / "r" / "metrics.jsonl", "train")
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert rows[-1]["mem_gb"] > 0 and rows[-1]["tflops"] > 0 and "mfu" in rows[-1]
+    assert rows[-1]["mem_reserved_gb"] >= rows[-1]["mem_gb"]
 
 
 @pytest.fixture(scope="module")
