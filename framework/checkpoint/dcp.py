@@ -222,7 +222,7 @@ def _metadata_unpickler(f):
     kind is then refused by :func:`check_entries`, by name, before anything reads it.
     """
     allowed, buildable = _metadata_globals()
-    return RestrictedUnpickler(f, allowed, buildable)
+    return RestrictedUnpickler(f, allowed, [v for v in allowed.values() if callable(v)], buildable)
 
 
 def read_metadata(directory: Path):
@@ -379,7 +379,9 @@ def check_entries(metadata, directory: Path, *, expected: dict | None = None, pr
 def _check_declared_bytes(metadata, directory: Path, have: dict[str, tuple]) -> None:
     """Every element of every tensor is written once at least, so the tensors cannot hold more
     bytes than the data files: a crafted shape would otherwise be allocated in full (export and
-    ``init_from`` allocate what the metadata declares) before any data is read."""
+    ``init_from`` allocate what the metadata declares) before any data is read. A sparse data
+    file claims a size it does not hold; what it makes allocated is then untouched memory, and
+    the read that follows finds no tensor in it."""
     declared = sum(math.prod(shape) * dtype.itemsize for dtype, shape in have.values())
     files = {info.relative_path for info in metadata.storage_data.values()}
     on_disk = sum((directory / rel).stat().st_size for rel in files if (directory / rel).is_file())
@@ -400,11 +402,14 @@ def load_model_weights(directory: Path, expected=None) -> dict[str, torch.Tensor
     metadata = check_complete(directory)
     flat_expected = None if expected is None else {f"model.{k}": v for k, v in expected.items()}
     check_entries(metadata, directory, expected=flat_expected, prefixes=("model.",))
-    model = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model.")
-    }
+    try:  # bounded by the data files' sizes (check_entries); a sparse file can still claim more
+        model = {
+            key: torch.empty(md.size, dtype=md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if key.startswith("model.")
+        }
+    except (RuntimeError, MemoryError) as e:
+        raise DataError(f"checkpoint {directory}: its model weights cannot be allocated ({_first_line(e)})") from None
     if not model:
         raise DataError(f"checkpoint {directory} holds no model weights")
     try:

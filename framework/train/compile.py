@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 import warnings
 from collections import Counter
@@ -220,21 +221,33 @@ def user_cache_dir() -> Path:
     return Path(base) / "framework" / "compile"
 
 
-def private_dir(path: Path) -> Path:
-    """``path``, created if need be (mode 700); refused (ConfigError) unless this user owns it
-    and no one else may write to it: inductor runs the code it finds in its cache."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise ConfigError(
-            f"compile cache {path} belongs to another user (uid {st.st_uid}), and inductor runs the code it "
-            f"finds there; set TORCHINDUCTOR_CACHE_DIR or XDG_CACHE_HOME to a directory of your own"
-        )
-    if st.st_mode & 0o022:
-        raise ConfigError(
-            f"compile cache {path} may be written by others (mode {st.st_mode & 0o777:o}), and inductor runs "
-            f"the code it finds there; chmod go-w it, or set TORCHINDUCTOR_CACHE_DIR to a directory only you write"
-        )
+def private_dir(path: Path) -> Path | None:
+    """``path``, created if need be (mode 700), or None if it cannot be (a read-only or absent
+    home). Refused (ConfigError) unless this user owns it and no one else could put files in it
+    or swap it: inductor runs the code it finds in its cache. So, as ssh checks its files, every
+    directory above it must be this user's or root's and writable by no one else (unless
+    sticky, as /tmp is)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = path.resolve()  # the directories a link leads through are the ones to check
+        chain = [(p, p.stat()) for p in (path, *path.parents)]
+    except OSError as e:
+        log.warning("compile cache %s cannot be created (%s): using torch's default", path, e.strerror or e)
+        return None
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for p, st in chain:
+        owners = (uid,) if p == path else (uid, 0)
+        if uid is not None and st.st_uid not in owners:
+            raise ConfigError(
+                f"compile cache {path}: {p} belongs to another user (uid {st.st_uid}), and inductor runs the "
+                f"code it finds in its cache; set TORCHINDUCTOR_CACHE_DIR or XDG_CACHE_HOME to a directory of your own"
+            )
+        if st.st_mode & 0o022 and not (p != path and st.st_mode & stat.S_ISVTX):
+            raise ConfigError(
+                f"compile cache {path}: {p} may be written by others (mode {st.st_mode & 0o7777:o}), and inductor "
+                f"runs the code it finds in its cache; chmod go-w it, or set TORCHINDUCTOR_CACHE_DIR to a "
+                f"directory only you write"
+            )
     return path
 
 
@@ -249,7 +262,9 @@ def _set_cache_dir(cache_dir: Path | None) -> str:
     except ImportError:  # older layout of torch's private modules
         default = None
     if cache_dir is not None and (current is None or os.path.abspath(current) == default):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_dir(Path(cache_dir)).resolve())
+        private = private_dir(Path(cache_dir))
+        if private is not None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private.resolve())
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "(torch default)")
 
 

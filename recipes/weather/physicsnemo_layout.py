@@ -217,25 +217,41 @@ def _guarded_scalar(real):
     return scalar
 
 
-def _allowed_globals() -> dict:
+def _guarded_reconstruct(real):
+    """numpy pickles an array as ``_reconstruct(ndarray, (0,), b"b")`` then its state (BUILD):
+    only that empty start is made here; the contents come from the checked state."""
+
+    def reconstruct(subtype, shape, typecode):
+        if subtype is not np.ndarray or shape != (0,) or typecode != b"b":
+            raise Refused(f"an array made as {subtype!r}, {shape!r}, {typecode!r} is not allowed")
+        return real(subtype, shape, typecode)
+
+    return reconstruct
+
+
+def _latin1(text, encoding="utf-8"):
+    """Pickle protocol 2 writes bytes as ``_codecs.encode(text, "latin1")``; other codecs (hex
+    doubles its input at each call) are refused."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise Refused(f"encoding with {encoding!r} is not allowed")
+    return text.encode("latin-1")
+
+
+def _allowed_globals() -> tuple[dict, list]:
+    """What the pickle may name, and what of that it may call (not ``ndarray`` itself: made over
+    a raw buffer, an object array reads file bytes as object pointers)."""
     try:
         from numpy._core import multiarray as ma
     except ImportError:  # numpy 1.x
         from numpy.core import multiarray as ma
-    scalar = _guarded_scalar(ma.scalar)
-    allowed = {
-        ("numpy", "ndarray"): np.ndarray,
-        ("numpy", "dtype"): np.dtype,
-        ("datetime", "datetime"): _dt.datetime,
-        ("datetime", "date"): _dt.date,
-        ("datetime", "timedelta"): _dt.timedelta,
-        ("datetime", "timezone"): _dt.timezone,
-        ("_codecs", "encode"): __import__("codecs").encode,
-    }
+    scalar, reconstruct = _guarded_scalar(ma.scalar), _guarded_reconstruct(ma._reconstruct)
+    datetimes = {("datetime", n): getattr(_dt, n) for n in ("datetime", "date", "timedelta", "timezone")}
+    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype, ("_codecs", "encode"): _latin1}
+    allowed.update(datetimes)
     for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        allowed[(module, "_reconstruct")] = ma._reconstruct
+        allowed[(module, "_reconstruct")] = reconstruct
         allowed[(module, "scalar")] = scalar
-    return allowed
+    return allowed, [np.dtype, _latin1, scalar, reconstruct, *datetimes.values()]
 
 
 def _check_built(obj) -> None:
@@ -250,7 +266,8 @@ def _check_built(obj) -> None:
 
 def _safe_unpickler(fp):
     """Only numpy arrays (object, datetime or string dtypes) and datetime objects."""
-    return RestrictedUnpickler(fp, _allowed_globals(), (np.ndarray, np.dtype), _check_built)
+    allowed, callables = _allowed_globals()
+    return RestrictedUnpickler(fp, allowed, callables, (np.ndarray, np.dtype), _check_built)
 
 
 def _read_npy_header(fp, path: Path):

@@ -10,6 +10,8 @@ backend="eager" (dynamo only), which is what decides both counts.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -531,30 +533,41 @@ def test_a_region_named_twice_or_frozen_is_compiled_once_or_not_at_all(monkeypat
     assert "out_norm" not in names
 
 
-def test_the_compile_cache_is_the_users_own_never_the_run_dirs(monkeypatch, tmp_path):
+def test_the_compile_cache_is_the_users_own_never_the_run_dirs(monkeypatch, tmp_path, caplog):
     """Inductor unpickles and imports what its cache holds, so a run dir from someone else must
-    not be it: the cache is per user, and one that others may write to is refused."""
+    not be it: the cache is per user, and one that others could write to or swap is refused."""
     import os
     import stat
 
     from framework.errors import ConfigError
     from framework.train.compile import user_cache_dir
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    cache = tmp_path / "xdg" / "framework" / "compile"
-    assert user_cache_dir() == cache
-    compile_model(_model(), device_type="cpu", backend="eager", cache_dir=user_cache_dir())
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache) and stat.S_IMODE(cache.stat().st_mode) == 0o700
-    cache.chmod(0o777)  # a shared directory: anyone could plant code in it
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    with pytest.raises(ConfigError, match=rf"compile cache {cache} may be written by others \(mode 777\)"):
+    def cache_dir_after_compile(cache):
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         compile_model(_model(), device_type="cpu", backend="eager", cache_dir=cache)
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+    base = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(base))
+    cache = base / "framework" / "compile"
+    assert user_cache_dir() == cache
+    assert cache_dir_after_compile(user_cache_dir()) == str(cache) and stat.S_IMODE(cache.stat().st_mode) == 0o700
+    cache.chmod(0o777)  # a shared directory: anyone could plant code in it
+    with pytest.raises(ConfigError, match=rf"compile cache {cache}: {cache} may be written by others \(mode 777\)"):
+        cache_dir_after_compile(cache)
+    cache.chmod(0o700)
+    base.chmod(0o775)  # a group scratch area above it: another member could swap framework/ for theirs
+    with pytest.raises(ConfigError, match=rf"compile cache {cache}: {base} may be written by others \(mode 775\)"):
+        cache_dir_after_compile(cache)
+    base.chmod(0o1777)  # sticky, as /tmp: others may not rename what is not theirs
+    assert cache_dir_after_compile(cache) == str(cache)
     if os.getuid() == 0:  # only root can hand a directory to another user
-        cache.chmod(0o700)
         os.chown(cache, 65534, 65534)
-        with pytest.raises(ConfigError, match=rf"compile cache {cache} belongs to another user \(uid 65534\)"):
-            compile_model(_model(), device_type="cpu", backend="eager", cache_dir=cache)
+        with pytest.raises(ConfigError, match=rf"compile cache {cache}: {cache} belongs to another user \(uid 65534\)"):
+            cache_dir_after_compile(cache)
+    # no home to write to (a container without one): torch's own default, said once
+    assert not (cache_dir_after_compile(Path("/dev/null/framework/compile")) or "").startswith("/dev/null")
+    assert "compile cache /dev/null/framework/compile cannot be created" in caplog.text
     mine = tmp_path / "mine"  # the user's own TORCHINDUCTOR_CACHE_DIR is their choice, unchecked
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(mine))
     compile_model(_model(), device_type="cpu", backend="eager", cache_dir=cache)

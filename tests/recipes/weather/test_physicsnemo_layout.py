@@ -451,6 +451,44 @@ def test_missing_samples_pickle_with_an_altered_dtype_is_refused(tmp_path):
     ]
 
 
+class _ObjectArrayOverBytes:
+    """``ndarray((1,), object, buffer)``: numpy reads the buffer's bytes as object pointers."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    def __reduce__(self):
+        return (np.ndarray, ((1,), np.dtype("O"), self.raw))
+
+
+class _HexEncode:
+    """``_codecs.encode(text, "hex")`` doubles its input: chained through the memo, memory."""
+
+    def __reduce__(self):
+        import codecs
+
+        return (codecs.encode, ("abcd", "hex"))
+
+
+@pytest.mark.parametrize(
+    "payload,error",
+    [
+        (_ObjectArrayOverBytes(id(None).to_bytes(8, "little")), "calling numpy.ndarray is not allowed"),
+        (_HexEncode(), "encoding with 'hex' is not allowed"),
+    ],
+    ids=["ndarray-over-bytes", "hex-codec"],
+)
+def test_missing_samples_pickle_calling_a_named_global_is_refused(tmp_path, payload, error):
+    """A global the pickle may name (ndarray, as an argument of numpy's reconstruction) is not
+    one it may call; the codec that makes bytes is latin-1 only."""
+    evil = tmp_path / "missing.npy"
+    with open(evil, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "|O", "fortran_order": False, "shape": (1,)})
+        pickle.dump(payload, f, protocol=2)
+    with pytest.raises(DataError, match=rf"refused to unpickle the missing-samples file: {error}"):
+        pn.load_missing_hours(evil)
+
+
 # ------------------------------------------------------------------ synthetic data in the reference layout
 
 SYN = dict(height=16, width=16, hours_per_year=30, years=(2020, 2021), row_chunk=8)
