@@ -44,8 +44,8 @@ class RestrictedUnpickler(_Base):
     ):
         super().__init__(fp)
         self._allowed = allowed
-        self._callables = {id(c) for c in callables}
-        self._keep = list(callables)  # the ids above stay those objects'
+        self._keep = list(callables)  # alive, so the ids below stay theirs
+        self._callables = {id(c) for c in self._keep}
         self._buildable = buildable
         self._check_built = check_built
 

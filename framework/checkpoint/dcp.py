@@ -12,7 +12,7 @@ Nothing read from a checkpoint executes code:
   to ``extra.pt``): DCP would pickle such values, and unpickle them on load with
   ``weights_only=False``;
 - DCP's pickled ``.metadata`` is read through an allow-list unpickler (DCP's metadata
-  classes, ``torch.Size``, dtypes; nothing callable; only instances of its dataclasses
+  classes, ``torch.Size``, dtypes; no other callable; only instances of its dataclasses
   filled in, so the file cannot patch a class for the process);
 - every ``.metadata`` entry is then checked before DCP reads any data: tensor entries
   only (a ``BytesStorageMetadata`` entry, which DCP would read with

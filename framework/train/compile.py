@@ -43,11 +43,10 @@ Cache: the inductor/Triton cache goes to the user's own ``~/.cache/framework/com
 another run of the same model, loads the compiled kernels instead of compiling again. It is
 never in the run dir: inductor unpickles and imports what it finds in its cache, and a run dir
 may come from someone else (a shared or copied run), so the cache must be a directory only
-this user writes (checked: owned by the user, not writable by others). With a warm cache
-dynamo still traces: an 8 s first step on an H200, against 143-216 s cold for the
-regression preset. For moving caches
-between machines torch has the portable "mega-cache" (``torch.compiler.save_cache_artifacts``
-/ ``load_cache_artifacts``).
+this user can write to or swap (``private_dir``). With a warm cache dynamo still traces: an
+8 s first step on an H200, against 143-216 s cold for the regression preset. For moving
+caches between machines torch has the portable "mega-cache"
+(``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``).
 """
 
 from __future__ import annotations
