@@ -126,7 +126,7 @@ def describe(path, *, data=None) -> ModelInfo:
             raise DataError(f"{path}: no {side.name} beside it (write both with python -m framework.export)")
         try:
             cfg = json.loads(side.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
             raise DataError(f"{side}: unreadable model config ({e})") from None
         ckpt = None
     elif path.is_dir():
@@ -180,10 +180,31 @@ def build(info: ModelInfo) -> torch.nn.Module:
     return wrap(net, info.task) if wrap is not None else net
 
 
+def _check_size(info: ModelInfo) -> None:
+    """The model is rebuilt at the size its recorded config says, before its weights are read:
+    refuse (one line) a config whose model needs more bytes of weights than the export file or
+    the checkpoint's files hold, before building it for real (a crafted config is memory, not a
+    model). The meta-device build costs no memory. A .mdlus is not checked here: its model.pt is
+    read whole (at most 16 GiB) and compared tensor by tensor with its args.json's model."""
+    if info.config.get("format") == "physicsnemo":
+        return
+    files = [f for f in info.checkpoint.rglob("*") if f.is_file()] if info.checkpoint is not None else [info.path]
+    have = sum(f.stat().st_size for f in files)
+    with torch.device("meta"):
+        model = build(info)
+    need = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if need > have:
+        raise DataError(
+            f"{info.path}: its config describes a {info.name} model of {need} bytes of weights, but its "
+            f"weights hold {have} bytes"
+        )
+
+
 def load(path, device="cpu", *, data=None) -> tuple[torch.nn.Module, ModelInfo]:
     """The trained model at ``path`` in eval mode with its weights, and what it is (``data``: see
     ``describe``)."""
     info = describe(path, data=data)
+    _check_size(info)
     model = build(info)
     weights = _weights(info, model.state_dict())
     missing, unexpected = model.state_dict().keys() - weights.keys(), weights.keys() - model.state_dict().keys()

@@ -301,3 +301,21 @@ def test_fp32_inference_runs_its_convolutions_without_tf32(stage1):
         assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.backends.cudnn.allow_tf32 = True
+
+
+def test_a_model_config_larger_than_its_weights_is_refused_before_it_is_built(stage1, tmp_path):
+    """weights.load rebuilds the model its recorded config describes before reading weights: a
+    crafted config (a copied export, say) must not become a huge allocation."""
+    import shutil
+
+    from framework.errors import DataError
+    from recipes.weather import weights
+
+    export = Path(shutil.copy(stage1[3], tmp_path / "big.pt"))
+    config = json.loads(stage1[3].with_suffix(".json").read_text())
+    config["model"]["model_channels"] *= 64
+    export.with_suffix(".json").write_text(json.dumps(config))
+    with pytest.raises(DataError, match=r"big.pt: its config describes a songunet model of \d+ bytes of weights"):
+        weights.load(export)
+    model, _ = weights.load(stage1[3])  # the export as written loads
+    assert sum(p.numel() for p in model.parameters()) > 0
