@@ -200,10 +200,11 @@ _DCP_CLASSES = {
 
 
 @functools.cache
-def _metadata_globals() -> tuple[dict, tuple[type, ...]]:
-    """What DCP's ``.metadata`` may name (its classes, ``torch.Size``, dtypes), and the classes
-    whose instances it may fill in (its dataclasses). Dtypes are looked up in ``vars(torch)``:
-    ``getattr`` would import whichever lazy submodule of torch the file names."""
+def _metadata_globals() -> tuple[dict, list, tuple[type, ...]]:
+    """What DCP's ``.metadata`` may name (its classes, ``torch.Size``, dtypes), what of that it
+    may call (all but the dtypes), and the classes whose instances it may fill in (its
+    dataclasses). Dtypes are looked up in ``vars(torch)``: ``getattr`` would import whichever
+    lazy submodule of torch the file names."""
     allowed: dict = {("torch", "Size"): torch.Size}
     allowed.update({("torch", k): v for k, v in vars(torch).items() if isinstance(v, torch.dtype)})
     for module, names in _DCP_CLASSES.items():
@@ -211,7 +212,7 @@ def _metadata_globals() -> tuple[dict, tuple[type, ...]]:
         allowed.update({(module, n): getattr(mod, n) for n in names})
     dcp_classes = [v for (m, _), v in allowed.items() if m.startswith("torch.distributed.checkpoint")]
     buildable = tuple(v for v in dcp_classes if isinstance(v, type) and dataclasses.is_dataclass(v))
-    return allowed, buildable
+    return allowed, [v for v in allowed.values() if callable(v)], buildable
 
 
 def _metadata_unpickler(f):
@@ -221,8 +222,7 @@ def _metadata_unpickler(f):
     ``BytesStorageMetadata`` is a plain marker class and may be unpickled; an entry of that
     kind is then refused by :func:`check_entries`, by name, before anything reads it.
     """
-    allowed, buildable = _metadata_globals()
-    return RestrictedUnpickler(f, allowed, [v for v in allowed.values() if callable(v)], buildable)
+    return RestrictedUnpickler(f, *_metadata_globals())
 
 
 def read_metadata(directory: Path):
