@@ -86,15 +86,15 @@ def build_model(args):
 
 def _loss(model, batch, kind: str):
     """The benchmark's training loss: regression MSE, or EDM's weighted denoising loss."""
-    import torch
-
     x, y = batch["x"], batch["y"]
     if kind == "diffusion":  # x: the conditions, y: the target; sigma and noise fixed per batch
         from recipes.weather.edm import edm_loss
 
         return edm_loss(model, y, batch["sigma"], batch["noise"], x).mean()
     out = model(x, x.new_zeros(x.shape[0])) if kind == "dit" else model(x)  # the DiT also takes the noise level
-    return torch.nn.functional.mse_loss(out.float(), y)
+    from recipes.weather.task import mse_loss
+
+    return mse_loss(out, y)  # the regression task's
 
 
 def _local_bytes(tensors) -> int:
@@ -123,13 +123,14 @@ def _variant(text: str) -> dict:
     return out
 
 
-_KERNEL_KINDS = (  # first match wins
-    ("layout transpose", ("nchwToNhwc", "nhwcToNchw", "nchw2nhwc", "nhwc2nchw", "transpose")),
-    ("conv (cuDNN)", ("conv", "xmma", "cudnn", "implicit", "wgrad", "dgrad", "fprop", "sm90_", "cutlass")),
-    ("matmul", ("gemm", "nvjet", "cublas")),
+_KERNEL_KINDS = (  # first match wins: Triton kernels are named by the ops they fuse ("transpose", "conv"),
+    # cuDNN's transposes live in its namespace, its convolutions are "implicit_gemm"s
     ("attention", ("flash", "fmha", "attention")),
     ("group norm (fused Triton)", ("gn_fused",)),
     ("triton (inductor)", ("triton",)),
+    ("layout transpose", ("nchwToNhwc", "nhwcToNchw", "nchw2nhwc", "nhwc2nchw", "transpose")),
+    ("conv (cuDNN)", ("conv", "xmma", "cudnn", "implicit", "wgrad", "dgrad", "fprop", "cutlass")),
+    ("matmul", ("gemm", "nvjet", "cublas")),
     ("group norm (aten)", ("group_norm", "GroupNorm", "Welford", "welford")),
     ("optimizer", ("multi_tensor", "adam", "Adam")),
     ("nccl", ("nccl",)),
@@ -145,7 +146,8 @@ def device_kernels(prof) -> list:
     import torch
 
     events = prof.key_averages()
-    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("## ")]
+    ranges = ("## ", "Optimizer.")  # CPU ranges mirrored on the device timeline (e.g. "Optimizer.step#Adam.step")
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith(ranges)]
 
 
 def _copy_origins(prof, steps: int) -> list:

@@ -51,6 +51,16 @@ def check_init_from(run, path):
     return info
 
 
+def mse_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error in float32, the prediction first put in the target's memory layout: a
+    channels-last prediction (compiled models on CUDA) against an NCHW target sends the loss's
+    kernels down TensorIterator's strided path (its backward took 1.75 ms per StormCast step on an
+    H200, where its bytes take about 0.4 ms at the chip's bandwidth; docs/benchmarks.md, run 11)."""
+    target = target.float()
+    fmt = torch.contiguous_format if target.is_contiguous() else torch.preserve_format
+    return F.mse_loss(pred.to(torch.float32, memory_format=fmt), target)
+
+
 class RowBand(torch.utils.data.Dataset):
     """A dataset's samples restricted to one band of rows (read from zarr, not sliced after)."""
 
@@ -252,7 +262,7 @@ class RegressionTask(Task):
 
     def loss(self, model, batch) -> torch.Tensor:
         pred = self._predict(model, batch)
-        return F.mse_loss(pred.float(), batch["target"].float()) * self.loss_weight
+        return mse_loss(pred, batch["target"]) * self.loss_weight
 
     @torch.no_grad()
     def val_step(self, model, batch) -> dict[str, torch.Tensor]:

@@ -188,3 +188,26 @@ def test_trainer_compile_true_on_gpu(tmp_path, monkeypatch, extra):
     # the kernels are cached for the user (a resumed job reuses them), never in the run dir
     assert not (run / "compile_cache").exists() and any((tmp_path / "xdg" / "framework" / "compile").iterdir())
     assert all(np.isfinite(train_losses(run)))
+
+
+def test_unaligned_convolutions_compute_the_plain_ones_on_gpu():
+    """StormCast's 127-in and 99-out convolutions run with their channels padded to 8 on CUDA in
+    bf16 (cuDNN's aligned kernels): the plain convolution's output and gradients, to bf16 rounding."""
+    from recipes.stormcast import layers
+
+    torch.manual_seed(0)
+    for cin, cout in ((127, 128), (128, 99)):
+        conv = layers.Conv2d(cin, cout, kernel=3).cuda()
+        x = torch.randn(2, cin, 32, 40, device="cuda").contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        outs = []
+        for padded in (True, False):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if padded:
+                    y = conv(x)
+                else:
+                    y = torch.nn.functional.conv2d(x, conv.weight, conv.bias, padding=1)
+            gx, gw = torch.autograd.grad(y.float().square().mean(), (x, conv.weight))
+            outs.append((y.float(), gx, gw))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

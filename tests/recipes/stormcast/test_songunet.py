@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import recipes.stormcast.songunet as songunet_mod
+from recipes.stormcast import layers
 from recipes.stormcast.layers import UNetBlock, group_norm_by_channel
 from recipes.stormcast.songunet import SongUNet
 
@@ -153,6 +154,43 @@ def test_channels_last_input_matches_contiguous():
         out = model(x.to(memory_format=torch.channels_last), noise)
     assert out.shape == ref.shape
     torch.testing.assert_close(out.contiguous(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cin,cout", [(5, 3), (13, 16), (16, 11)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_aligned_conv_computes_the_plain_convolution(cin, cout, channels_last):
+    """The channel padding that CUDA's 16-bit convolutions get (zero channels in, zero filters
+    out, sliced off) is the plain convolution, forward and both gradients, in the input's layout."""
+    torch.manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(2, cin, 6, 7, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_()
+    w = torch.randn(cout, cin, 3, 3, dtype=torch.float64, requires_grad=True)
+    ref = torch.nn.functional.conv2d(x, w, padding=1)
+    out = layers._aligned_conv2d(x, w)
+    assert out.shape == ref.shape
+    assert out.stride(1) == 1 if channels_last else out.stride(1) == 6 * 7  # the input's layout (sliced)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    gy = torch.randn_like(ref)
+    gx_ref, gw_ref = torch.autograd.grad(ref, (x, w), gy)
+    gx, gw = torch.autograd.grad(out, (x, w), gy)
+    torch.testing.assert_close(gx, gx_ref, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(gw, gw_ref, atol=1e-12, rtol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # cast like autocast, then padded
+        xf, wf = x.detach().float(), w.detach().float()
+        half, half_ref = layers._aligned_conv2d(xf, wf), torch.nn.functional.conv2d(xf, wf, padding=1)
+    assert half.dtype == half_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), half_ref.float(), atol=0.1, rtol=2e-2)
+
+
+def test_conv_pads_channels_only_on_cuda_in_16_bit(monkeypatch):
+    """Elsewhere (CPU, or float32 compute) the plain convolution runs: padding costs copies there."""
+    calls = []
+    monkeypatch.setattr(layers, "_aligned_conv2d", lambda x, w: calls.append(1))
+    conv = layers.Conv2d(5, 3, kernel=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert conv(torch.randn(1, 5, 4, 4)).shape == (1, 3, 4, 4)
+    assert conv(torch.randn(1, 5, 4, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert not calls
 
 
 @pytest.mark.parametrize("explicit", [True, False], ids=["explicit-backward", "autograd"])
