@@ -184,8 +184,9 @@ def _check_size(info: ModelInfo) -> None:
     """The model is rebuilt at the size its recorded config says, before its weights are read:
     refuse (one line) a config whose model needs more bytes of weights than the export file or
     the checkpoint's files hold, before building it for real (a crafted config is memory, not a
-    model). The meta-device build costs no memory. A .mdlus is not checked here: its model.pt is
-    read whole (at most 16 GiB) and compared tensor by tensor with its args.json's model."""
+    model). The meta-device build costs no memory. A .mdlus is not checked here: ``load`` reads
+    its model.pt (at most 16 GiB) first, compared tensor by tensor with a meta-device build of its
+    args.json's model."""
     if info.config.get("format") == "physicsnemo":
         return
     files = [f for f in info.checkpoint.rglob("*") if f.is_file()] if info.checkpoint is not None else [info.path]
@@ -205,8 +206,11 @@ def load(path, device="cpu", *, data=None) -> tuple[torch.nn.Module, ModelInfo]:
     ``describe``)."""
     info = describe(path, data=data)
     _check_size(info)
+    # a .mdlus's weights come first: read_mdlus checks every name and shape against a meta-device
+    # build of its args.json's model, so a crafted args.json (a huge model) fails there, unbuilt
+    mdlus = _weights(info, {}) if info.config.get("format") == "physicsnemo" else None
     model = build(info)
-    weights = _weights(info, model.state_dict())
+    weights = mdlus if mdlus is not None else _weights(info, model.state_dict())
     missing, unexpected = model.state_dict().keys() - weights.keys(), weights.keys() - model.state_dict().keys()
     if missing or unexpected:
         raise DataError(

@@ -754,3 +754,22 @@ def test_reference_groupnorm_uses_the_unbiased_variance_in_eval_only():
         mdlus.use_reference_groupnorm(model, enable=False)
         assert torch.equal(model(x), plain)
         assert list(model.state_dict()) == list(regression_model().state_dict())
+
+
+def test_an_args_json_larger_than_its_weights_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """weights.load reads a .mdlus's model.pt before it builds the model of its args.json: a
+    crafted args.json (a model 64 times wider than its weights) is refused by the shape check
+    against a meta-device build, never allocated."""
+    from recipes.weather import weights
+
+    sd, args, meta = regression_archive(regression_model())
+    args["__args__"]["model_channels"] *= 64
+    big = save_like_physicsnemo(tmp_path / "big.mdlus", sd, args, meta)
+    built, real = [], weights.build
+    monkeypatch.setattr(weights, "build", lambda info: built.append(info.path) or real(info))
+    with pytest.raises(DataError, match=r"big.mdlus: model.pt tensor .* has shape"):
+        weights.load(big)
+    assert not built
+    good = save_like_physicsnemo(tmp_path / "good.mdlus", *regression_archive(regression_model()))
+    model, _ = weights.load(good)  # the archive as written loads
+    assert built == [good] and sum(p.numel() for p in model.parameters()) > 0
