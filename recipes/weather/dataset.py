@@ -52,6 +52,7 @@ one line naming the file and the variable.
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from collections.abc import Sequence
@@ -89,7 +90,30 @@ def _array(group, path: Path, name: str, ndim: int):
         raise DataError(f"{path}: variable '{name}' not found")
     if arr.ndim != ndim:
         raise DataError(f"{path}: variable '{name}' has {arr.ndim} dimensions {arr.shape}, expected {ndim}")
+    _check_chunks(arr, path, name)
     return arr
+
+
+MAX_CHUNK_BYTES = 4 << 30  # one chunk, decoded whole by every read that touches it
+MAX_CHUNKS_PER_SHARD = 1 << 24  # a shard's index (16 bytes per chunk) is read whole
+
+
+def _check_chunks(arr, path: Path, name: str) -> None:
+    """A read decodes every chunk it touches whole (and a shard's chunk index whole): a store from
+    someone else can declare any chunk shape, so one that would make a read allocate more than
+    ``MAX_CHUNK_BYTES`` is refused in one line before any read."""
+    chunk = math.prod(arr.chunks) * arr.dtype.itemsize
+    if chunk > MAX_CHUNK_BYTES:
+        raise DataError(
+            f"{path}: variable '{name}' has chunks {tuple(arr.chunks)} of {chunk} bytes each (at most "
+            f"{MAX_CHUNK_BYTES} are decoded per chunk; rechunk the store)"
+        )
+    shards = getattr(arr, "shards", None)  # zarr >= 3: the outer chunks of a sharded array
+    if shards is not None and math.prod(shards) // max(math.prod(arr.chunks), 1) > MAX_CHUNKS_PER_SHARD:
+        raise DataError(
+            f"{path}: variable '{name}' has shards {tuple(shards)} of more than {MAX_CHUNKS_PER_SHARD} chunks "
+            f"{tuple(arr.chunks)} each"
+        )
 
 
 def _store_channels(group, path: Path, n_data_channels: int) -> list[str]:
@@ -108,12 +132,13 @@ def _store_channels(group, path: Path, n_data_channels: int) -> list[str]:
 
 def _coord_channels(group, path: Path, var: str, n_data_channels: int) -> list[str]:
     arr = _array(group, path, layout.PN_CHANNEL, 1)
-    names = [v.decode() if isinstance(v, bytes) else str(v) for v in np.asarray(arr[...]).tolist()]
-    if len(names) != n_data_channels:
+    if arr.shape[0] != n_data_channels:  # before it is read: its declared shape can be anything
         raise DataError(
-            f"{path}: coordinate '{layout.PN_CHANNEL}' names {len(names)} channels but variable "
+            f"{path}: coordinate '{layout.PN_CHANNEL}' names {arr.shape[0]} channels but variable "
             f"'{var}' has {n_data_channels}"
         )
+    values = pn.coordinate_values(arr, path, layout.PN_CHANNEL)
+    names = [v.decode() if isinstance(v, bytes) else str(v) for v in values.tolist()]
     if len(set(names)) != len(names):
         raise DataError(f"{path}: coordinate '{layout.PN_CHANNEL}' has duplicate names: {names}")
     return names
@@ -162,12 +187,12 @@ def _check_time(group, path: Path, n_data_times: int, year: int, dt: int) -> np.
         raise DataError(
             f"{path}: variable '{layout.TIME_VAR}' has dtype {arr.dtype}, expected integer hours since 1970"
         )
-    hours = np.asarray(arr[...], dtype=np.int64)
-    if len(hours) != n_data_times:
+    if arr.shape[0] != n_data_times:  # before it is read: its declared shape can be anything
         raise DataError(
-            f"{path}: variable '{layout.TIME_VAR}' has {len(hours)} entries but '{layout.DATA_VAR}' has "
+            f"{path}: variable '{layout.TIME_VAR}' has {arr.shape[0]} entries but '{layout.DATA_VAR}' has "
             f"{n_data_times} times"
         )
+    hours = pn.coordinate_values(arr, path, layout.TIME_VAR).astype(np.int64)
     if len(hours) < dt + 1:
         raise DataError(
             f"{path}: variable '{layout.TIME_VAR}' has only {len(hours)} hours for year {year}; "
@@ -457,12 +482,7 @@ class HrrrEra5Dataset(Dataset):
                         f"{path}: variable '{var}' grid {tuple(data.shape[-2:])} differs from the grid "
                         f"{shapes[src][0]} of {shapes[src][1]}"
                     )
-                hours = pn.decode_hours(_array(group, path, layout.PN_TIME, 1), path, layout.PN_TIME)
-                if len(hours) != data.shape[0]:
-                    raise DataError(
-                        f"{path}: coordinate '{layout.PN_TIME}' has {len(hours)} entries but '{var}' "
-                        f"has {data.shape[0]} times"
-                    )
+                hours = pn.decode_hours(_array(group, path, layout.PN_TIME, 1), path, layout.PN_TIME, data.shape[0])
                 self._times[src].append(hours)
             files = {kind: layout.pn_stats_file(root, src, kind, conus, self.hrrr_stats) for kind in layout.STAT_KINDS}
             means, stds = _load_stats(files, first_path, var, len(first_names), first_names)
@@ -523,7 +543,8 @@ class HrrrEra5Dataset(Dataset):
                 f"{epath}: coordinates '{layout.PN_LAT}', '{layout.PN_LON}' have {lat.shape[0]} x "
                 f"{lon.shape[0]} points but '{self._var[layout.ERA5]}' is {tuple(self._era5_grid)}"
             )
-        return pn.LatLonBilinear(lat[...], lon[...], coords[0], coords[1], epath)
+        lat, lon = (pn.coordinate_values(a, epath, n) for a, n in ((lat, layout.PN_LAT), (lon, layout.PN_LON)))
+        return pn.LatLonBilinear(lat, lon, coords[0], coords[1], epath)
 
     def _build_index(self) -> None:
         """Sample index: the slots and time indices of state, target and background."""

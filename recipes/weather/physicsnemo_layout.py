@@ -146,11 +146,28 @@ def _parse_reference_date(text: str) -> np.datetime64:
     return np.datetime64(s, "s")
 
 
-def decode_hours(arr, path: Path, name: str) -> np.ndarray:
-    """The values of time coordinate ``arr`` as int64 whole hours since 1970-01-01 UTC."""
-    values = np.asarray(arr[...])
-    if values.ndim != 1:
-        raise DataError(f"{path}: variable '{name}' has shape {values.shape}, expected 1-D")
+MAX_COORD_ENTRIES = 1 << 22  # 4194304: 478 years of hours, a 1-D coordinate of a 4 m grid round the globe
+
+
+def coordinate_values(arr, path: Path, name: str, expected: int | None = None) -> np.ndarray:
+    """The values of the 1-D coordinate ``arr``, read whole once its declared shape passes: it has
+    ``expected`` entries (the data's length along its axis), and at most ``MAX_COORD_ENTRIES``. A
+    store from someone else can declare any shape, and zarr fills absent chunks with the fill
+    value: a crafted coordinate would otherwise be an allocation of its declared size."""
+    if len(arr.shape) != 1:
+        raise DataError(f"{path}: variable '{name}' has shape {tuple(arr.shape)}, expected 1-D")
+    n = int(arr.shape[0])
+    if expected is not None and n != expected:
+        raise DataError(f"{path}: coordinate '{name}' has {n} entries but the data has {expected} along its axis")
+    if n > MAX_COORD_ENTRIES:
+        raise DataError(f"{path}: coordinate '{name}' has {n} entries (at most {MAX_COORD_ENTRIES} are read)")
+    return np.asarray(arr[...])
+
+
+def decode_hours(arr, path: Path, name: str, expected: int | None = None) -> np.ndarray:
+    """The values of time coordinate ``arr`` as int64 whole hours since 1970-01-01 UTC (``expected``:
+    its length, checked before it is read; see ``coordinate_values``)."""
+    values = coordinate_values(arr, path, name, expected)
     if np.issubdtype(values.dtype, np.datetime64):
         seconds = (values.astype("datetime64[s]") - _EPOCH).astype(np.int64)
     elif np.issubdtype(values.dtype, np.number):

@@ -369,6 +369,41 @@ def test_time_coordinates_decode(tmp_path):
             pn.decode_hours(g[name], Path("t.zarr"), name)
 
 
+def test_a_coordinate_is_checked_by_its_declared_shape_before_it_is_read(tmp_path):
+    """A store can declare any shape, and zarr fills absent chunks with the fill value: a crafted
+    coordinate of 2**40 entries (8 TiB if read) is refused by its shape, in one line, unread."""
+    from recipes.weather import dataset
+
+    g = zarr.create_group(str(tmp_path / "t.zarr"), zarr_format=2)
+    huge = g.create_array("time", shape=(1 << 40,), chunks=(1 << 20,), dtype="int64", fill_value=0)
+    huge.attrs["units"] = "hours since 1970-01-01"
+    g.create_array("channel", shape=(1 << 40,), chunks=(1 << 20,), dtype="int64", fill_value=0)
+    path = Path("t.zarr")
+    with pytest.raises(DataError, match=r"t.zarr: coordinate 'time' has 1099511627776 entries \(at most 4194304"):
+        pn.decode_hours(g["time"], path, "time")
+    with pytest.raises(DataError, match="'time' has 1099511627776 entries but the data has 24 along its axis"):
+        pn.decode_hours(g["time"], path, "time", expected=24)
+    with pytest.raises(DataError, match="at most 4194304"):  # our layout's time variable, its data as long
+        dataset._check_time(g, path, 1 << 40, 2021, 1)
+    with pytest.raises(DataError, match="names 1099511627776 channels but variable 'x' has 3"):
+        dataset._coord_channels(g, path, "x", 3)
+    with pytest.raises(DataError, match="at most 4194304"):
+        dataset._coord_channels(g, path, "x", 1 << 40)
+    _v2(g, "ok", np.arange(3), ["time"], {"units": "hours since 1970-01-01"})
+    np.testing.assert_array_equal(pn.decode_hours(g["ok"], path, "ok", expected=3), [0, 1, 2])
+    # data whose every read would decode a 32 GiB chunk, or a shard index of 2**28 chunks
+    g.create_array("data", shape=(1 << 20, 8, 1024, 1024), chunks=(1 << 10, 8, 1024, 1024), dtype="float32")
+    with pytest.raises(DataError, match=r"'data' has chunks \(1024, 8, 1024, 1024\) of 34359738368 bytes each"):
+        dataset._array(g, path, "data", 4)
+    v3 = zarr.create_group(str(tmp_path / "v3.zarr"))
+    v3.create_array(
+        "data", shape=(1 << 20, 8, 1024, 1024), chunks=(1, 8, 64, 64), shards=(1 << 20, 8, 1024, 1024), dtype="float32"
+    )
+    with pytest.raises(DataError, match=r"'data' has shards \(1048576, 8, 1024, 1024\) of more than 16777216 chunks"):
+        dataset._array(v3, path, "data", 4)
+    assert dataset._array(g, path, "ok", 1).shape == (3,)
+
+
 def test_missing_samples_formats(tmp_path):
     want = np.array(sorted(int(np.datetime64(m, "h").astype(np.int64)) for m in MISSING))
     for name, values in (
