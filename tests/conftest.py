@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,10 +14,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+_OWN_CACHE: list[str] = []  # the cache dir this process made (xdist workers inherit the controller's)
+
+
 def pytest_configure(config):
     # The compiled-kernel cache lives under XDG_CACHE_HOME (framework.train.compile): tests get
-    # their own, not the user's ~/.cache.
-    os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="framework-tests-cache-"))
+    # their own, never the user's, made by the controller (xdist's workers inherit it) and
+    # removed at the end.
+    cache = os.environ.get("FRAMEWORK_TESTS_CACHE")
+    if cache is None:
+        cache = tempfile.mkdtemp(prefix="framework-tests-cache-")
+        os.environ["FRAMEWORK_TESTS_CACHE"] = cache
+        _OWN_CACHE.append(cache)
+    os.environ["XDG_CACHE_HOME"] = cache
     # Under pytest-xdist the workers share the cores: one thread per process (inherited by the
     # runs a test launches), else two multi-threaded runs on two cores oversubscribe them (the
     # main-job test took 4.5x longer).
@@ -25,6 +35,11 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    for path in _OWN_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
