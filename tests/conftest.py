@@ -27,6 +27,7 @@ def pytest_configure(config):
         os.environ["FRAMEWORK_TESTS_CACHE"] = cache
         _OWN_CACHE.append(cache)
     os.environ["XDG_CACHE_HOME"] = cache
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # it would take precedence over XDG_CACHE_HOME
     # Under pytest-xdist the workers share the cores: one thread per process (inherited by the
     # runs a test launches), else two multi-threaded runs on two cores oversubscribe them (the
     # main-job test took 4.5x longer).
@@ -40,6 +41,8 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     for path in _OWN_CACHE:
         shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop("FRAMEWORK_TESTS_CACHE", None)  # a second session in this process makes its own
+    _OWN_CACHE.clear()
 
 
 @pytest.fixture

@@ -50,16 +50,20 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
 _ALIGN = 8  # channel multiple that cuDNN's 16-bit tensor-core convolution kernels want
 
 
-def _half_compute(x: torch.Tensor) -> bool:
-    """Whether a convolution of ``x`` computes in a 16-bit type (itself, or under autocast)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type) in (torch.bfloat16, torch.float16)
-    return x.dtype in (torch.bfloat16, torch.float16)
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a convolution of ``x`` computes in: autocast's for the types it casts, else x's."""
+    if torch.is_autocast_enabled(x.device.type) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def _conv2d(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.conv2d`` with "same" padding; on CUDA in 16-bit with unaligned channels, ``_aligned_conv2d``."""
-    if x.is_cuda and (w.shape[0] % _ALIGN or w.shape[1] % _ALIGN) and _half_compute(x):
+    if (
+        x.is_cuda
+        and (w.shape[0] % _ALIGN or w.shape[1] % _ALIGN)
+        and _compute_dtype(x) in (torch.bfloat16, torch.float16)
+    ):
         return _aligned_conv2d(x, w)
     return F.conv2d(x, w, padding=w.shape[-1] // 2)
 
@@ -67,21 +71,14 @@ def _conv2d(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _aligned_conv2d(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The same convolution with zero input channels and zero filters added up to multiples of 8,
     the extra outputs cropped: the same sums, but cuDNN then runs its aligned kernels, 1.7-1.9x
-    faster on an H200 for StormCast's 127-in and 99-out convolutions (docs/benchmarks.md, run 11)."""
+    faster on an H200 for StormCast's 127-in and 99-out convolutions (docs/benchmarks.md, run 11).
+    Pads, not slices, so that input, output and both gradients keep the input's memory format (a
+    slice's backward writes NCHW, and the convolution's backward then copies to the input's)."""
     cout, cin = w.shape[:2]
     extra_in, extra_out = -cin % _ALIGN, -cout % _ALIGN
-    if extra_in:  # one copy: cast (as autocast would) and pad, in the input's layout
-        b, _, rows, cols = x.shape
-        auto = torch.is_autocast_enabled(x.device.type)
-        dtype = torch.get_autocast_dtype(x.device.type) if auto else x.dtype
-        fmt = _memory_format(x)
-        padded = torch.empty(b, cin + extra_in, rows, cols, dtype=dtype, device=x.device, memory_format=fmt)
-        padded[:, cin:].zero_()
-        padded[:, :cin].copy_(x)
-        x = padded
+    if extra_in:  # cast first, as autocast would, so that the padded copy is the 16-bit one
+        x = F.pad(x.to(_compute_dtype(x)), (0, 0, 0, 0, 0, extra_in))
     y = F.conv2d(x, F.pad(w, (0, 0, 0, 0, 0, extra_in, 0, extra_out)), padding=w.shape[-1] // 2)
-    # cropped by a negative pad, not a slice: a slice's backward writes the gradient NCHW, and the
-    # convolution's backward then copies it to the input's layout
     return F.pad(y, (0, 0, 0, 0, 0, -extra_out)) if extra_out else y
 
 

@@ -81,7 +81,9 @@ def _open_group(path: Path, what: str):
         raise DataError(f"{path}: cannot open the {what} store as a zarr group ({type(exc).__name__}: {exc})") from None
 
 
-def _array(group, path: Path, name: str, ndim: int):
+def checked_array(group, path: Path, name: str, ndim: int):
+    """Variable ``name`` of ``group``: a zarr array of ``ndim`` dimensions whose declared chunks and
+    grid a read can afford (``_check_chunks``, ``MAX_GRID_POINTS``); else one DataError line."""
     try:
         arr = group[name] if name in group else None
     except Exception as exc:
@@ -91,9 +93,14 @@ def _array(group, path: Path, name: str, ndim: int):
     if arr.ndim != ndim:
         raise DataError(f"{path}: variable '{name}' has {arr.ndim} dimensions {arr.shape}, expected {ndim}")
     _check_chunks(arr, path, name)
+    if ndim >= 2 and math.prod(arr.shape[-2:]) > MAX_GRID_POINTS:  # a region of it is read whole
+        raise DataError(
+            f"{path}: variable '{name}' has a grid of {tuple(arr.shape[-2:])} points (at most {MAX_GRID_POINTS})"
+        )
     return arr
 
 
+MAX_GRID_POINTS = 1 << 30  # rows x cols: 32768 x 32768, a 1.2 km grid round the globe
 MAX_CHUNK_BYTES = 4 << 30  # one chunk, decoded whole by every read that touches it
 MAX_CHUNKS_PER_SHARD = 1 << 24  # a shard's index (16 bytes per chunk) is read whole
 
@@ -125,20 +132,29 @@ def _store_channels(group, path: Path, n_data_channels: int) -> list[str]:
             f"{path}: attribute '{layout.CHANNELS_ATTR}' names {len(names)} channels but variable "
             f"'{layout.DATA_VAR}' has {n_data_channels}"
         )
+    _check_names(names, path, f"attribute '{layout.CHANNELS_ATTR}'")
     if len(set(names)) != len(names):
         raise DataError(f"{path}: attribute '{layout.CHANNELS_ATTR}' has duplicate names: {names}")
     return names
 
 
+def _check_names(names: list[str], path: Path, what: str) -> None:
+    """Channel names go into error lines and logs: one line each, no control characters."""
+    bad = next((n for n in names if not n.isprintable() or len(n) > 256), None)
+    if bad is not None:
+        raise DataError(f"{path}: {what} holds a channel name that is not a short printable string: {bad[:64]!r}")
+
+
 def _coord_channels(group, path: Path, var: str, n_data_channels: int) -> list[str]:
-    arr = _array(group, path, layout.PN_CHANNEL, 1)
+    arr = checked_array(group, path, layout.PN_CHANNEL, 1)
     if arr.shape[0] != n_data_channels:  # before it is read: its declared shape can be anything
         raise DataError(
             f"{path}: coordinate '{layout.PN_CHANNEL}' names {arr.shape[0]} channels but variable "
             f"'{var}' has {n_data_channels}"
         )
     values = pn.coordinate_values(arr, path, layout.PN_CHANNEL)
-    names = [v.decode() if isinstance(v, bytes) else str(v) for v in values.tolist()]
+    names = [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in values.tolist()]
+    _check_names(names, path, f"coordinate '{layout.PN_CHANNEL}'")
     if len(set(names)) != len(names):
         raise DataError(f"{path}: coordinate '{layout.PN_CHANNEL}' has duplicate names: {names}")
     return names
@@ -182,7 +198,7 @@ def _load_stats(
 
 
 def _check_time(group, path: Path, n_data_times: int, year: int, dt: int) -> np.ndarray:
-    arr = _array(group, path, layout.TIME_VAR, 1)
+    arr = checked_array(group, path, layout.TIME_VAR, 1)
     if not np.issubdtype(arr.dtype, np.integer):
         raise DataError(
             f"{path}: variable '{layout.TIME_VAR}' has dtype {arr.dtype}, expected integer hours since 1970"
@@ -192,7 +208,7 @@ def _check_time(group, path: Path, n_data_times: int, year: int, dt: int) -> np.
             f"{path}: variable '{layout.TIME_VAR}' has {arr.shape[0]} entries but '{layout.DATA_VAR}' has "
             f"{n_data_times} times"
         )
-    hours = pn.coordinate_values(arr, path, layout.TIME_VAR).astype(np.int64)
+    hours = pn.coordinate_values(arr, path, layout.TIME_VAR, kinds="iu").astype(np.int64)
     if len(hours) < dt + 1:
         raise DataError(
             f"{path}: variable '{layout.TIME_VAR}' has only {len(hours)} hours for year {year}; "
@@ -384,7 +400,7 @@ class HrrrEra5Dataset(Dataset):
         for src in self._sources:
             for year, path in zip(self.years, self._paths[src]):
                 group = _open_group(path, f"{self.naming.label(src)} {year}")
-                data = _array(group, path, layout.DATA_VAR, 4)
+                data = checked_array(group, path, layout.DATA_VAR, 4)
                 if not np.issubdtype(data.dtype, np.floating):
                     raise DataError(f"{path}: variable '{layout.DATA_VAR}' has dtype {data.dtype}, expected float")
                 names = _store_channels(group, path, data.shape[1])
@@ -410,7 +426,7 @@ class HrrrEra5Dataset(Dataset):
         if self._names["invariants"]:
             path = self._inv[0]
             group = _open_group(path, "invariants")
-            data = _array(group, path, layout.DATA_VAR, 3)
+            data = checked_array(group, path, layout.DATA_VAR, 3)
             names = _store_channels(group, path, data.shape[0])
             self._index["invariants"] = _select(self._names["invariants"], names, path)
             if tuple(data.shape[-2:]) != grid:
@@ -462,7 +478,7 @@ class HrrrEra5Dataset(Dataset):
             first_names = first_path = None
             for year, path in zip(slot_years, self._paths[src]):
                 group = _open_group(path, f"{src.upper()} {year}")
-                data = _array(group, path, var, 4)
+                data = checked_array(group, path, var, 4)
                 if not np.issubdtype(data.dtype, np.floating):
                     raise DataError(f"{path}: variable '{var}' has dtype {data.dtype}, expected float")
                 expected = layout.PN_HRRR_DIMS if src == layout.HRRR else layout.PN_ERA5_DIMS
@@ -482,7 +498,8 @@ class HrrrEra5Dataset(Dataset):
                         f"{path}: variable '{var}' grid {tuple(data.shape[-2:])} differs from the grid "
                         f"{shapes[src][0]} of {shapes[src][1]}"
                     )
-                hours = pn.decode_hours(_array(group, path, layout.PN_TIME, 1), path, layout.PN_TIME, data.shape[0])
+                times = checked_array(group, path, layout.PN_TIME, 1)
+                hours = pn.decode_hours(times, path, layout.PN_TIME, data.shape[0])
                 self._times[src].append(hours)
             files = {kind: layout.pn_stats_file(root, src, kind, conus, self.hrrr_stats) for kind in layout.STAT_KINDS}
             means, stds = _load_stats(files, first_path, var, len(first_names), first_names)
@@ -502,7 +519,7 @@ class HrrrEra5Dataset(Dataset):
         if self._names["invariants"]:
             path, var = self._inv
             group = _open_group(path, "invariants")
-            data = _array(group, path, var, 3)
+            data = checked_array(group, path, var, 3)
             _check_dims(data, path, var, layout.PN_INVARIANTS_DIMS, 1)
             names = _coord_channels(group, path, var, data.shape[0])
             self._index["invariants"] = _select(self._names["invariants"], names, path, var)
@@ -529,21 +546,23 @@ class HrrrEra5Dataset(Dataset):
             source, group = hpath, hgroup
             if name not in hgroup and self._inv[0].exists():  # some stores keep them with the invariants
                 source, group = self._inv[0], _open_group(self._inv[0], "invariants")
-            arr = _array(group, source, name, 2)
+            arr = checked_array(group, source, name, 2)
             if arr.shape[0] < h or arr.shape[1] < w:
                 raise DataError(
                     f"{source}: coordinate '{name}' has shape {arr.shape}, smaller than the region {self.grid}"
                 )
             coords.append(np.asarray(arr[:h, :w], dtype=np.float64))
         egroup = _open_group(epath, "ERA5")
-        lat = _array(egroup, epath, layout.PN_LAT, 1)
-        lon = _array(egroup, epath, layout.PN_LON, 1)
+        lat = checked_array(egroup, epath, layout.PN_LAT, 1)
+        lon = checked_array(egroup, epath, layout.PN_LON, 1)
         if (lat.shape[0], lon.shape[0]) != tuple(self._era5_grid):
             raise DataError(
                 f"{epath}: coordinates '{layout.PN_LAT}', '{layout.PN_LON}' have {lat.shape[0]} x "
                 f"{lon.shape[0]} points but '{self._var[layout.ERA5]}' is {tuple(self._era5_grid)}"
             )
-        lat, lon = (pn.coordinate_values(a, epath, n) for a, n in ((lat, layout.PN_LAT), (lon, layout.PN_LON)))
+        lat, lon = (
+            pn.coordinate_values(a, epath, n, kinds="iuf") for a, n in ((lat, layout.PN_LAT), (lon, layout.PN_LON))
+        )
         return pn.LatLonBilinear(lat, lon, coords[0], coords[1], epath)
 
     def _build_index(self) -> None:
@@ -656,7 +675,7 @@ class HrrrEra5Dataset(Dataset):
         for src in self._sources:
             var = self._var[src]
             handles[src] = [
-                _array(_open_group(path, self.naming.label(src)), path, var, 4) for path in self._paths[src]
+                checked_array(_open_group(path, self.naming.label(src)), path, var, 4) for path in self._paths[src]
             ]
         if self.layout == layout.PHYSICSNEMO and self._interp is None:
             self._interp = self._build_interp()
@@ -664,7 +683,7 @@ class HrrrEra5Dataset(Dataset):
         idx = self._index["invariants"]
         if len(idx):
             path, var = self._inv
-            arr = _array(_open_group(path, "invariants"), path, var, 3)
+            arr = checked_array(_open_group(path, "invariants"), path, var, 3)
             inv = np.asarray(arr.oindex[idx, :h, :w], dtype=np.float32)
             inv_t = torch.from_numpy(inv)
             finite = torch.isfinite(inv_t).flatten(1).all(1)

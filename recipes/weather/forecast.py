@@ -412,6 +412,7 @@ class Forecast:
         """latitude/longitude (y, x) when the state stores hold them (PhysicsNeMo's layout)."""
         import zarr
 
+        from recipes.weather.dataset import checked_array
         from recipes.weather.layout import PN_LAT, PN_LON
 
         h, w = self.grid
@@ -424,8 +425,8 @@ class Forecast:
             g = zarr.open_group(str(first), mode="r")
             for key, name in ((PN_LAT, "latitude"), (PN_LON, "longitude")):
                 if key in g and g[key].ndim == 2:
-                    out[name] = g[key][:h, :w]
-        except Exception:  # noqa: BLE001  (no coordinates is fine: they are optional)
+                    out[name] = checked_array(g, Path(first), key, 2)[:h, :w]  # its chunks and grid bounded first
+        except (DataError, OSError, ValueError, KeyError, TypeError):  # optional: a store without usable ones has none
             return {}
         return out
 

@@ -255,6 +255,16 @@ def _state_dict(path, data: bytes) -> dict[str, torch.Tensor]:
     for k, v in sd.items():
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
             _fail(path, f"model.pt entry {k!r} is a {type(v).__name__}, not a tensor")
+    # a tensor's shape and strides are the pickle's to say: an expanded (stride-0) view, or many
+    # views of one storage, can declare any size over a few bytes, and the model built for them
+    # would be that size
+    declared = sum(v.numel() * v.element_size() for v in sd.values())
+    if declared > len(data):
+        _fail(
+            path,
+            f"model.pt's tensors declare {declared} bytes but the file holds {len(data)} (expanded or "
+            "shared-storage views are refused)",
+        )
     return dict(sd)
 
 

@@ -147,27 +147,39 @@ def _parse_reference_date(text: str) -> np.datetime64:
 
 
 MAX_COORD_ENTRIES = 1 << 22  # 4194304: 478 years of hours, a 1-D coordinate of a 4 m grid round the globe
+MAX_COORD_BYTES = 256 << 20  # fixed-width entries (e.g. '<U...' names) times their count
+MAX_FILL_CHARS = 1024  # a string coordinate's fill value, repeated for every entry of an absent chunk
 
 
-def coordinate_values(arr, path: Path, name: str, expected: int | None = None) -> np.ndarray:
-    """The values of the 1-D coordinate ``arr``, read whole once its declared shape passes: it has
-    ``expected`` entries (the data's length along its axis), and at most ``MAX_COORD_ENTRIES``. A
-    store from someone else can declare any shape, and zarr fills absent chunks with the fill
-    value: a crafted coordinate would otherwise be an allocation of its declared size."""
+def coordinate_values(arr, path: Path, name: str, expected: int | None = None, kinds: str | None = None) -> np.ndarray:
+    """The values of the 1-D coordinate ``arr``, read whole once its declared shape and type pass:
+    ``expected`` entries (the data's length along its axis), at most ``MAX_COORD_ENTRIES`` of them
+    and ``MAX_COORD_BYTES`` in all, a dtype of one of numpy's ``kinds`` ("iufM": numbers or datetimes)
+    where given. A store from someone else can declare any of these, and zarr fills absent chunks
+    with the fill value: a crafted coordinate would otherwise be an allocation of its declared size.
+    (Variable-length strings are bounded by their chunks' bytes on disk, and by their fill value.)"""
     if len(arr.shape) != 1:
         raise DataError(f"{path}: variable '{name}' has shape {tuple(arr.shape)}, expected 1-D")
     n = int(arr.shape[0])
     if expected is not None and n != expected:
         raise DataError(f"{path}: coordinate '{name}' has {n} entries but the data has {expected} along its axis")
-    if n > MAX_COORD_ENTRIES:
-        raise DataError(f"{path}: coordinate '{name}' has {n} entries (at most {MAX_COORD_ENTRIES} are read)")
+    if n > MAX_COORD_ENTRIES or n * arr.dtype.itemsize > MAX_COORD_BYTES:
+        raise DataError(
+            f"{path}: coordinate '{name}' has {n} entries of {arr.dtype.itemsize} bytes (at most "
+            f"{MAX_COORD_ENTRIES} entries and {MAX_COORD_BYTES} bytes are read)"
+        )
+    if kinds is not None and np.dtype(arr.dtype).kind not in kinds:
+        raise DataError(f"{path}: coordinate '{name}' has dtype {arr.dtype}, expected numbers or datetimes")
+    fill = getattr(arr, "fill_value", None)
+    if isinstance(fill, (str, bytes, np.str_, np.bytes_)) and len(fill) > MAX_FILL_CHARS:
+        raise DataError(f"{path}: coordinate '{name}' has a fill value of {len(fill)} characters")
     return np.asarray(arr[...])
 
 
 def decode_hours(arr, path: Path, name: str, expected: int | None = None) -> np.ndarray:
     """The values of time coordinate ``arr`` as int64 whole hours since 1970-01-01 UTC (``expected``:
     its length, checked before it is read; see ``coordinate_values``)."""
-    values = coordinate_values(arr, path, name, expected)
+    values = coordinate_values(arr, path, name, expected, kinds="iufM")
     if np.issubdtype(values.dtype, np.datetime64):
         seconds = (values.astype("datetime64[s]") - _EPOCH).astype(np.int64)
     elif np.issubdtype(values.dtype, np.number):

@@ -769,6 +769,15 @@ def test_an_args_json_larger_than_its_weights_is_refused_before_the_model_is_bui
     monkeypatch.setattr(weights, "build", lambda info: built.append(info.path) or real(info))
     with pytest.raises(DataError, match=r"big.mdlus: model.pt tensor .* has shape"):
         weights.load(big)
+    # the same shapes as expanded views of one zero each: a small file that matches every shape
+    with torch.device("meta"):  # the shapes only
+        wide = SongUNet(GRID, 5, 3, embedding_type="zero", **(SONG | {"model_channels": 16 * 64}))
+    wide = regression_archive(wide)[0]
+    views = {k: torch.zeros((), dtype=v.dtype).expand(v.shape) for k, v in wide.items()}
+    expanded = save_like_physicsnemo(tmp_path / "expanded.mdlus", views, args, meta)
+    assert expanded.stat().st_size < 1 << 20
+    with pytest.raises(DataError, match=r"expanded.mdlus: model.pt's tensors declare \d+ bytes but the file holds"):
+        weights.load(expanded)
     assert not built
     good = save_like_physicsnemo(tmp_path / "good.mdlus", *regression_archive(regression_model()))
     model, _ = weights.load(good)  # the archive as written loads

@@ -175,6 +175,11 @@ def test_aligned_conv_computes_the_plain_convolution(cin, cout, channels_last):
     gx, gw = torch.autograd.grad(out, (x, w), gy)
     torch.testing.assert_close(gx, gx_ref, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(gw, gw_ref, atol=1e-12, rtol=1e-12)
+    assert gx.stride() == gx_ref.stride()  # the input's gradient in the input's layout too
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is not autocast: it stays float64
+        torch.testing.assert_close(layers._aligned_conv2d(x, w), ref, atol=1e-12, rtol=1e-12)
+    unbatched = layers._aligned_conv2d(x[0].detach(), w.detach())  # (C, H, W), as F.conv2d takes
+    torch.testing.assert_close(unbatched, ref[0].detach(), atol=1e-12, rtol=1e-12)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # cast like autocast, then padded
         xf, wf = x.detach().float(), w.detach().float()
         half, half_ref = layers._aligned_conv2d(xf, wf), torch.nn.functional.conv2d(xf, wf, padding=1)

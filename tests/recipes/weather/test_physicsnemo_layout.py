@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -379,7 +380,9 @@ def test_a_coordinate_is_checked_by_its_declared_shape_before_it_is_read(tmp_pat
     huge.attrs["units"] = "hours since 1970-01-01"
     g.create_array("channel", shape=(1 << 40,), chunks=(1 << 20,), dtype="int64", fill_value=0)
     path = Path("t.zarr")
-    with pytest.raises(DataError, match=r"t.zarr: coordinate 'time' has 1099511627776 entries \(at most 4194304"):
+    with pytest.raises(
+        DataError, match=r"t.zarr: coordinate 'time' has 1099511627776 entries of 8 bytes \(at most 4194304"
+    ):
         pn.decode_hours(g["time"], path, "time")
     with pytest.raises(DataError, match="'time' has 1099511627776 entries but the data has 24 along its axis"):
         pn.decode_hours(g["time"], path, "time", expected=24)
@@ -394,14 +397,32 @@ def test_a_coordinate_is_checked_by_its_declared_shape_before_it_is_read(tmp_pat
     # data whose every read would decode a 32 GiB chunk, or a shard index of 2**28 chunks
     g.create_array("data", shape=(1 << 20, 8, 1024, 1024), chunks=(1 << 10, 8, 1024, 1024), dtype="float32")
     with pytest.raises(DataError, match=r"'data' has chunks \(1024, 8, 1024, 1024\) of 34359738368 bytes each"):
-        dataset._array(g, path, "data", 4)
+        dataset.checked_array(g, path, "data", 4)
     v3 = zarr.create_group(str(tmp_path / "v3.zarr"))
     v3.create_array(
         "data", shape=(1 << 20, 8, 1024, 1024), chunks=(1, 8, 64, 64), shards=(1 << 20, 8, 1024, 1024), dtype="float32"
     )
     with pytest.raises(DataError, match=r"'data' has shards \(1048576, 8, 1024, 1024\) of more than 16777216 chunks"):
-        dataset._array(v3, path, "data", 4)
-    assert dataset._array(g, path, "ok", 1).shape == (3,)
+        dataset.checked_array(v3, path, "data", 4)
+    assert dataset.checked_array(g, path, "ok", 1).shape == (3,)
+    # bytes, not only entries: 16384 fixed-width names of 65536 characters (4 GiB), or a fill value
+    # of 256 Ki characters repeated for every entry of an absent chunk
+    g.create_array("wide", shape=(16384,), chunks=(16384,), dtype="<U65536")
+    with pytest.raises(DataError, match=r"'wide' has 16384 entries of 262144 bytes \(at most"):
+        pn.coordinate_values(g["wide"], path, "wide")
+    v3.create_array("names", shape=(4096,), chunks=(4096,), dtype=str, fill_value="x" * (1 << 18))
+    with pytest.raises(DataError, match="'names' has a fill value of 262144 characters"):
+        pn.coordinate_values(v3["names"], path, "names")
+    with pytest.raises(DataError, match="'names' has dtype .*, expected numbers or datetimes"):
+        pn.decode_hours(v3["names"], path, "names")
+    # a grid of 2**40 points in small chunks: the region read (lat/lon, invariants) would be 8 TiB
+    g.create_array("grid", shape=(2, 3, 1 << 20, 1 << 20), chunks=(1, 1, 1024, 1024), dtype="float32")
+    with pytest.raises(DataError, match=r"'grid' has a grid of \(1048576, 1048576\) points \(at most 1073741824\)"):
+        dataset.checked_array(g, path, "grid", 4)
+    # channel names go into error lines: one line each
+    g.attrs["channels"] = ["u10m", "t2m\nerror: forged"]
+    with pytest.raises(DataError, match=re.escape(r"not a short printable string: 't2m\nerror: forged'")):
+        dataset._store_channels(g, path, 2)
 
 
 def test_missing_samples_formats(tmp_path):
