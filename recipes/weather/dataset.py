@@ -208,7 +208,7 @@ def _check_time(group, path: Path, n_data_times: int, year: int, dt: int) -> np.
             f"{path}: variable '{layout.TIME_VAR}' has {arr.shape[0]} entries but '{layout.DATA_VAR}' has "
             f"{n_data_times} times"
         )
-    hours = pn.coordinate_values(arr, path, layout.TIME_VAR, kinds="iu").astype(np.int64)
+    hours = pn.coordinate_values(arr, path, layout.TIME_VAR).astype(np.int64)  # integer: checked above
     if len(hours) < dt + 1:
         raise DataError(
             f"{path}: variable '{layout.TIME_VAR}' has only {len(hours)} hours for year {year}; "
