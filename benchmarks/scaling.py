@@ -16,8 +16,11 @@ and prints ratios:
     python benchmarks/scaling.py --gpus 2            # driver: runs every layout, prints the table
     torchrun --nproc-per-node 2 benchmarks/scaling.py --worker --sharding fsdp2   # one layout
 
-Figures per GPU: samples/s, peak memory, and the bytes of parameters + gradients +
-optimizer state each GPU holds (measured from the tensors after a step).
+Figures per GPU: samples/s, peak memory (allocated, and reserved by the allocator: with CUDA
+graphs only the latter sees the graphs' pool), and the bytes of parameters + gradients +
+optimizer state each GPU holds (measured from the tensors after a step). The timed steps start
+with the allocator's cache emptied, so "reserved" is what the steady step holds; "warm-up" is
+the peak before that (the eager FLOP-counting step, cuDNN's algorithm search).
 
 Eager and compiled side by side: the driver runs every layout both ways (``--modes``);
 ``--compile`` in a worker is ``trainer.compile=true`` (``framework.train.compile``). The
@@ -26,6 +29,9 @@ compiles, and its wall time is reported as the first-step (compile) time.
 
     python benchmarks/scaling.py --gpus 1 --layouts none         # eager and compiled, one GPU
     python benchmarks/scaling.py --worker --compile --profile out/   # + a kernel-time table
+
+``--profile DIR`` writes per run the kernel time by kind and the top kernels
+(``profile_<run>.txt``), every kernel (``kernels_<run>.tsv``), a trace and the host's time.
 """
 
 from __future__ import annotations
@@ -219,7 +225,8 @@ def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
     for e in kernels:
         kind = next((k for k, keys in _KERNEL_KINDS if any(x in e.key for x in keys)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + per(e)
-    top = sorted(kernels, key=per, reverse=True)[:25]
+    ranked = sorted(kernels, key=per, reverse=True)
+    top = ranked[:25]
     busy = sum(kinds.values())
     lines = [f"step wall {1e3 * wall:.1f} ms, kernels {busy:.1f} ms/step ({100 * busy / (1e3 * wall):.0f}% busy)"]
     lines += [f"  {k:<28} {v:8.1f} ms  {100 * v / busy:5.1f}%" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
@@ -243,6 +250,8 @@ def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
     lines += host_time(t, batch, device, out / f"host_{tag}.txt")
     text = "\n".join(lines)
     (out / f"profile_{tag}.txt").write_text(text + "\n")
+    every = [f"{per(e):.4f}\t{e.count // steps}\t{e.key}" for e in ranked]  # for a closer look than the top 25
+    (out / f"kernels_{tag}.tsv").write_text("ms_per_step\tcalls_per_step\tkernel\n" + "\n".join(every) + "\n")
     print(f"PROFILE {tag}\n{text}", file=sys.stderr, flush=True)
     return {"wall_ms": 1e3 * wall, "kernel_ms": busy, "kinds_ms": kinds}
 
@@ -384,7 +393,13 @@ def worker(args) -> None:
                 from torch._dynamo.utils import compile_times
 
                 print(f"compile times (s, aggregated):\n{compile_times(repr='str', aggregate=True)}", file=sys.stderr)
+        warm_reserved = 0.0
         if cuda:
+            # What the warm-up left cached (cuDNN's algorithm search, the steps before CUDA graphs
+            # record) is returned first: the peak below is what the steady step needs, as the
+            # allocator would free those blocks itself before failing an allocation.
+            warm_reserved = torch.cuda.max_memory_reserved(device) / 2**30
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -414,6 +429,7 @@ def worker(args) -> None:
             "peak_mem_gib": (torch.cuda.max_memory_allocated(device) if cuda else 0) / 2**30,
             # what the allocator holds: with CUDA graphs the pool's memory counts here, not above
             "peak_reserved_gib": (torch.cuda.max_memory_reserved(device) if cuda else 0) / 2**30,
+            "warmup_reserved_gib": warm_reserved,  # the peak before the cache was emptied
             "state_gib": (2 * _local_bytes(params) + _local_bytes(state)) / 2**30,
             "flop_step_s": flop_step_s,
             "first_step_s": first_step_s,
@@ -587,7 +603,7 @@ def print_table(runs: list[dict], args) -> None:
     )
     print(
         f"{'layout':>8} {'gpus':>4} {'mode':>8} {'samples/s':>10} {'/GPU':>7} {'x eager':>7} {'MFU':>6} "
-        f"{'peak GiB/GPU':>12} {'reserved':>8} {'p+g+opt GiB':>11} {'1st step s':>10} {'precomp s':>9}"
+        f"{'peak GiB/GPU':>12} {'reserved':>8} {'warm-up':>7} {'p+g+opt GiB':>11} {'1st step s':>10} {'precomp s':>9}"
     )
     for r in runs:
         eager = next(
@@ -599,7 +615,8 @@ def print_table(runs: list[dict], args) -> None:
         print(
             f"{r['sharding']:>8} {r['gpus']:>4} {'compiled' if r['compile'] else 'eager':>8} "
             f"{r['samples_per_s']:>10.2f} {r['samples_per_s_per_gpu']:>7.2f} {ratio:>7} {_pct(r['mfu']):>6} "
-            f"{r['peak_mem_gib']:>12.1f} {r.get('peak_reserved_gib', 0):>8.1f} {r['state_gib']:>11.3f} "
+            f"{r['peak_mem_gib']:>12.1f} {r.get('peak_reserved_gib', 0):>8.1f} {r.get('warmup_reserved_gib', 0):>7.1f} "
+            f"{r['state_gib']:>11.3f} "
             f"{first:>10} {pre:>9}"
         )
         if r.get("compile_stats"):

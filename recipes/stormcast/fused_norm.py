@@ -63,9 +63,15 @@ if triton is not None:
         return y * s, s * (1.0 + y * (1.0 - s))
 
     @triton.jit
-    def _tile(ptr, b, ps, cs, pmask, cmask, s_b, s_p, s_c):
-        offs = b.to(tl.int64) * s_b + ps[:, None].to(tl.int64) * s_p + cs[None, :].to(tl.int64) * s_c
-        return offs, pmask[:, None] & cmask[None, :]
+    def _tile(ptr, b, ps, cs, pmask, cmask, s_b, s_p, s_c, WIDE: tl.constexpr):
+        """Pointers to a (pixels x channels) tile of sample ``b``, and its mask. Offsets within a
+        sample in 32 bits unless WIDE (a sample of 2**31 elements or more): 64-bit products per
+        element were a large part of the reductions' instructions."""
+        if WIDE:
+            inner = ps[:, None].to(tl.int64) * s_p + cs[None, :].to(tl.int64) * s_c
+        else:
+            inner = ps[:, None] * s_p + cs[None, :] * s_c
+        return ptr + b.to(tl.int64) * s_b + inner, pmask[:, None] & cmask[None, :]
 
     @triton.jit
     def _pointwise_tile(C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -76,7 +82,7 @@ if triton is not None:
     @triton.jit
     def gn_fused_stats(
         x_ptr, mean_ptr, m2_ptr, C, P, nchunks, s_b, s_p, s_c,
-        ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+        ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         pid, b, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -90,8 +96,8 @@ if triton is not None:
         acc2 = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
         for i in range(ITERS):  # the last chunk's tail is masked off
             ps = start + i * BLOCK_P + tl.arange(0, BLOCK_P)
-            offs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c)
-            d = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) - pivot, 0.0)
+            ptrs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c, WIDE)
+            d = tl.where(mask, tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) - pivot, 0.0)
             acc += d
             acc2 += d * d
         n = tl.minimum(P - start, ITERS * BLOCK_P).to(tl.float32)
@@ -103,23 +109,23 @@ if triton is not None:
     @triton.jit
     def gn_fused_apply(
         x_ptr, a_ptr, c_ptr, y_ptr, C, P, s_b, s_p, s_c, o_b, o_p, o_c,
-        SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+        SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         b, ps, cs, cmask = _pointwise_tile(C, BLOCK_P, BLOCK_C)
         a = tl.load(a_ptr + b * C + cs, mask=cmask, other=0.0)
         c = tl.load(c_ptr + b * C + cs, mask=cmask, other=0.0)
-        offs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c)
-        y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * a[None, :] + c[None, :]
+        ptrs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c, WIDE)
+        y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * a[None, :] + c[None, :]
         if SILU:
             y, _ = _silu_and_grad(y)
-        out, _ = _tile(y_ptr, b, ps, cs, ps < P, cmask, o_b, o_p, o_c)
-        tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
+        out, _ = _tile(y_ptr, b, ps, cs, ps < P, cmask, o_b, o_p, o_c, WIDE)
+        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def gn_fused_grad_sums(
         g_ptr, x_ptr, a_ptr, c_ptr, r_ptr, q_ptr, s1_ptr, s2_ptr, C, P, nchunks,
         g_b, g_p, g_c, s_b, s_p, s_c,
-        SILU: tl.constexpr, ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+        SILU: tl.constexpr, ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         pid, b, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -133,10 +139,10 @@ if triton is not None:
         start = pid * (ITERS * BLOCK_P)
         for i in range(ITERS):  # the last chunk's tail is masked off
             ps = start + i * BLOCK_P + tl.arange(0, BLOCK_P)
-            offs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c)
-            goffs, _ = _tile(g_ptr, b, ps, cs, ps < P, cmask, g_b, g_p, g_c)
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(g_ptr + goffs, mask=mask, other=0.0).to(tl.float32)
+            ptrs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c, WIDE)
+            gptrs, _ = _tile(g_ptr, b, ps, cs, ps < P, cmask, g_b, g_p, g_c, WIDE)
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(gptrs, mask=mask, other=0.0).to(tl.float32)
             if SILU:
                 _, ds = _silu_and_grad(x * a + c)
                 dy = dy * ds
@@ -150,24 +156,24 @@ if triton is not None:
     def gn_fused_grad_apply(
         g_ptr, x_ptr, a_ptr, c_ptr, kg_ptr, kx_ptr, k0_ptr, dx_ptr, C, P,
         g_b, g_p, g_c, s_b, s_p, s_c, o_b, o_p, o_c,
-        SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+        SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         b, ps, cs, cmask = _pointwise_tile(C, BLOCK_P, BLOCK_C)
         kg = tl.load(kg_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
         kx = tl.load(kx_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
         k0 = tl.load(k0_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
-        offs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c)
-        goffs, _ = _tile(g_ptr, b, ps, cs, ps < P, cmask, g_b, g_p, g_c)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(g_ptr + goffs, mask=mask, other=0.0).to(tl.float32)
+        ptrs, mask = _tile(x_ptr, b, ps, cs, ps < P, cmask, s_b, s_p, s_c, WIDE)
+        gptrs, _ = _tile(g_ptr, b, ps, cs, ps < P, cmask, g_b, g_p, g_c, WIDE)
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(gptrs, mask=mask, other=0.0).to(tl.float32)
         if SILU:
             a = tl.load(a_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
             c = tl.load(c_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
             _, ds = _silu_and_grad(x * a + c)
             dy = dy * ds
         dx = dy * kg + x * kx + k0
-        out, _ = _tile(dx_ptr, b, ps, cs, ps < P, cmask, o_b, o_p, o_c)
-        tl.store(dx_ptr + out, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        out, _ = _tile(dx_ptr, b, ps, cs, ps < P, cmask, o_b, o_p, o_c, WIDE)
+        tl.store(out, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 # -- launch geometry ----------------------------------------------------------------------------
@@ -204,6 +210,14 @@ def _flat(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     if not _mergeable(t):
         t = t.contiguous()
     return t, (t.stride(0), t.stride(-1) if t.dim() > 2 else 1, t.stride(1))
+
+
+def _wide(*flat: tuple[torch.Tensor, tuple[int, int, int]]) -> bool:
+    """Whether an element of one sample of these ``_flat`` tensors lies 2**31 or more elements
+    from the sample's first: the kernels' 64-bit offsets (else 32-bit, fewer instructions)."""
+    return any(
+        (t.shape[1] - 1) * abs(s_c) + (math.prod(t.shape[2:]) - 1) * abs(s_p) >= 2**31 for t, (_, s_p, s_c) in flat
+    )
 
 
 def _channels_fast(t: torch.Tensor) -> bool:
@@ -286,7 +300,7 @@ def gn_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, c = x.shape[:2]
     mean, m2 = _partials(x, g)
     xf, xs = _flat(x)
-    _reduce(gn_fused_stats, g, b, (xf, mean, m2, c, g.pixels, g.nchunks, *xs))
+    _reduce(gn_fused_stats, g, b, (xf, mean, m2, c, g.pixels, g.nchunks, *xs), WIDE=_wide((xf, xs)))
     return mean, m2
 
 
@@ -307,7 +321,7 @@ def _pointwise(kernel, name: str, out: torch.Tensor, x: torch.Tensor, tensors: t
     grid = (triton.cdiv(pixels, block_p), b, triton.cdiv(ch, block_c))
     strides = [s for _, st in flat for s in st]
     args = [t for t, _ in flat[:-1]] + list(coefficients) + [flat[-1][0], ch, pixels, *strides]
-    kernel[grid](*args, SILU=silu, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
+    kernel[grid](*args, SILU=silu, BLOCK_P=block_p, BLOCK_C=block_c, WIDE=_wide(*flat), num_warps=warps)
     if flat[-1][0].data_ptr() != out.data_ptr():  # out's layout did not flatten: written to a copy
         out.copy_(flat[-1][0])
     return out
@@ -336,7 +350,7 @@ def gn_grad_sums(
     s1, s2 = _partials(x, geo)
     xf, xs = _flat(x)
     args = (gf, xf, a, c, r, q, s1, s2, ch, geo.pixels, geo.nchunks, *gs, *xs)
-    _reduce(gn_fused_grad_sums, geo, b, args, SILU=silu)
+    _reduce(gn_fused_grad_sums, geo, b, args, SILU=silu, WIDE=_wide((gf, gs), (xf, xs)))
     return s1, s2
 
 

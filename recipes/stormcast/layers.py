@@ -111,6 +111,9 @@ class Conv2d(nn.Module):
         self.out_channels = out_channels
         self.up = up
         self.down = down
+        # a network's last layer: its output in the plain (NCHW) layout of targets and inputs,
+        # whatever the layout it computes in (see SongUNet)
+        self.contiguous_output = False
         self.weight = None
         self.bias = None
         if kernel:
@@ -152,7 +155,7 @@ class Conv2d(nn.Module):
             x = _conv2d(x, self.weight.to(x.dtype))
         if self.bias is not None:
             x = x + self.bias.to(x.dtype).reshape(1, -1, 1, 1)
-        return x
+        return x.contiguous() if self.contiguous_output else x
 
 
 class GroupNorm(nn.Module):

@@ -79,9 +79,13 @@ class SongUNet(nn.Module):
     with EDM-style preconditioners and ignored.
     """
 
-    # Compiled beside the blocks (``trainer.compile``): the output GroupNorm + SiLU, which eager
-    # runs as torch's kernel on a float32, NCHW copy of the full-resolution activation.
-    compile_regions = ("out_norm",)
+    @property
+    def compile_regions(self) -> tuple[str, ...]:
+        """Compiled beside the blocks (``trainer.compile``): the output GroupNorm + SiLU, which eager
+        runs as torch's kernel on a float32, NCHW copy of the full-resolution activation, and the
+        input and output convolutions, whose casts, channel padding, crop, bias and (output) layout
+        change eager runs as separate copies of full-resolution tensors (docs/benchmarks.md, run 12)."""
+        return (f"enc.{self.img_resolution[0]}_conv", "out_norm", "out_conv")
 
     def __init__(
         self,
@@ -189,6 +193,11 @@ class SongUNet(nn.Module):
         self.out_norm = GroupNorm(cout, eps=_GN_EPS)
         # Near-zero output conv (EDM init_zero): the untrained net predicts ~0.
         self.out_conv = Conv2d(cout, out_channels, kernel=3, init_weight=1e-5)
+        # Compiled channels-last, the output leaves in the targets' NCHW layout, made inside the
+        # compiled output convolution (with its crop and bias): the loss, and EDM's preconditioner
+        # mixing it with its NCHW input, then run on one layout, and the gradient that comes back
+        # is the layout the region was traced for (docs/benchmarks.md, run 12).
+        self.out_conv.contiguous_output = True
         set_compiled_form(self, compiled_norm)
 
     # -- helpers -----------------------------------------------------------------

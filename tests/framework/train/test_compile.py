@@ -95,8 +95,10 @@ def test_compiled_training_matches_eager_fp32(channels_last):
     c = compile_model(compiled, device_type="cpu", backend="aot_eager", channels_last=channels_last)
     assert c.channels_last is channels_last
     blocks = sum(isinstance(m, UNetBlock) for m in compiled.modules())
-    # every block, and the region the SongUNet names besides them (its output GroupNorm + SiLU)
-    assert c.enabled and c.units == blocks + 1 and c.units_list[-1][0] == "out_norm", c.units_list
+    # every block, and the regions the SongUNet names besides them (its input convolution, output
+    # GroupNorm + SiLU and output convolution)
+    regions = [name for name, _ in c.units_list[blocks:]]
+    assert c.enabled and c.units == blocks + 3 and regions == ["enc.16_conv", "out_norm", "out_conv"], c.units_list
     batches = _batches(3)
     a, b = _train(eager, batches), _train(compiled, batches)
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
@@ -326,10 +328,11 @@ def test_tiny_songunet_compiles_without_graph_breaks_within_its_recompile_budget
         torch.nn.functional.mse_loss(model(x), y).backward()
     s = c.stats()
     assert s["graph_breaks"] == 0, s["break_reasons"]
-    # one graph per block signature, shared by its blocks, and one for the output GroupNorm region
-    assert s["cached_graphs"] == budget + 1, (s, budget)
-    assert s["recompiles"] == budget - 1
-    assert budget + 1 < c.units  # blocks with one signature do share a graph
+    # one graph per block signature, shared by its blocks, and one for each region the UNet names
+    # (input and output convolutions: one code, two graphs; the output GroupNorm)
+    assert s["cached_graphs"] == budget + 3, (s, budget)
+    assert s["recompiles"] == budget  # (budget - 1) + 1: recompiles of the blocks' code and the convolutions'
+    assert budget + 3 < c.units  # blocks with one signature do share a graph
     assert s["first_step_s"] is not None  # the start-up report ran after the first step
 
 
@@ -492,9 +495,10 @@ def test_a_model_names_regions_to_compile_besides_its_blocks():
     model = Wrapper()
     c = compile_model(model, device_type="cpu", backend="eager")
     names = [n for n, _ in c.units_list]
-    assert names[-1] == "net.out_norm" and names.count("net.out_norm") == 1
+    regions = ["net.enc.16_conv", "net.out_norm", "net.out_conv"]  # the UNet's own, once each
+    assert names[-3:] == regions and names.count("net.out_norm") == 1
     assert "net.enc.16_block0.norm0" not in names
-    assert named_regions(model, c.units_list[:-1]) == [("net.out_norm", model.net.out_norm)]
+    assert named_regions(model, c.units_list[:-3]) == [(n, model.get_submodule(n)) for n in regions]
     assert isinstance(model.net.out_norm.forward, RegionForward)
     x, y = _batches(1)[0]
     torch.nn.functional.mse_loss(model(x), y).backward()

@@ -136,3 +136,24 @@ def test_every_kernel_has_a_geometry_for_every_size():
     # the sizes the sweep measured apart: the reductions take fewer programs on small activations
     assert fused_norm.geometry("grad_sums", 512 * 640)[2] > fused_norm.geometry("grad_sums", 128 * 160)[2]
     assert fused_norm.geometry("stats", 512 * 640)[2] > fused_norm.geometry("stats", 256 * 320)[2]
+
+
+def test_offsets_are_64_bit_only_where_a_sample_spans_2_31_elements():
+    """The kernels address within a sample in 32 bits (fewer instructions per element) unless one of
+    their tensors' samples reaches 2**31 elements from its start; shapes and strides alone decide."""
+
+    def flat(shape, memory_format=torch.contiguous_format):
+        return fused_norm._flat(torch.empty(shape, device="meta").contiguous(memory_format=memory_format))
+
+    assert not fused_norm._wide(flat((4, 256, 512, 640)))  # the regression UNet's largest: 2**26
+    assert not fused_norm._wide(flat((1, 2**15, 2**8, 2**8), torch.channels_last))  # last offset 2**31 - 1
+    assert fused_norm._wide(flat((1, 2**15, 2**8, 2**8 + 1)))
+    assert fused_norm._wide(flat((1, 2**15, 2**8, 2**8 + 1), torch.channels_last))
+    assert fused_norm._wide(flat((1, 2, 3)), flat((1, 2**16, 2**15 + 1)))  # any of the tensors
+
+
+@interpreted
+def test_the_64_bit_offsets_compute_the_same_norm(monkeypatch):
+    """The WIDE form of every kernel (forced here: a real one needs a 4 GiB sample) equals torch's."""
+    monkeypatch.setattr(fused_norm, "_wide", lambda *flat: True)
+    _check_against_float64("cpu", (2, 16, 5, 7), 4, True, True, True)
