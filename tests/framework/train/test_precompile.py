@@ -71,7 +71,13 @@ def test_discover_finds_each_distinct_block_call_once():
     (norm,) = [j for j in every if type(j.block).__name__ == "GroupNorm"]
     # its GroupNorm form resolved before the copy (on CPU, no CUDA graphs: inductor's)
     assert norm.kwargs == {"silu": True} and norm.block.compiled_form == "explicit"
-    jobs = [j for j in every if j is not norm]
+    # the input and output convolutions it names: one job each, the input's on the data (no gradient)
+    convs = [j for j in every if type(j.block).__name__ == "Conv2d"]
+    assert sorted((tuple(j.args[0][1]), j.args[0][3]) for j in convs) == [
+        ((2, 3, 16, 16), False),
+        ((2, 8, 16, 16), True),
+    ]
+    jobs = [j for j in every if j is not norm and j not in convs]
     assert 0 < len(jobs) <= len(seen)
     shapes = {(tuple(j.args[0][1]), j.args[2] is not None) for j in jobs}
     assert shapes == {(s, skip) for _, s, skip in seen}
@@ -80,6 +86,7 @@ def test_discover_finds_each_distinct_block_call_once():
         assert all(
             p.device.type == "cpu" and not isinstance(p, torch._subclasses.FakeTensor) for p in job.block.parameters()
         )
+    for job in jobs + [norm]:
         assert job.args[0][3] is True  # the activations need gradients in a training step
     pickle.dumps(jobs)  # what the spawned workers receive
     torch._dynamo.reset()
