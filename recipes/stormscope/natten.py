@@ -208,15 +208,19 @@ _FLEX_BLOCK = 128
 # an 8 x 16 tile reaches (8 + kernel - 1) x (16 + kernel - 1) tokens: ~2x fewer key blocks
 # at kernel 31.
 _TILE = (8, 16)
+# Tiles of the other block size flex_options.py can measure: at kernel 31, 8 x 8 tiles of 64
+# tokens put 60% of the computed scores inside a window instead of 50% (a query tile's windows
+# cover (8 + 30) x (8 + 30) tokens), at the cost of smaller kernel tiles. Not measured yet.
+_TILES = {128: _TILE, 64: (8, 8)}
 # Token-mask elements one step of the block classification may hold (bool): 16 MiB.
 _BLOCK_SCAN_BUDGET = 1 << 24
 
 
-def tile_shape(rows: int, w: int, tiled: bool = True) -> tuple[int, int]:
-    """Token tile of the flattened order: ``_TILE`` where the grid holds several flex blocks
-    and is wide enough, else (1, w), which is plain row-major order."""
-    th, tw = _TILE
-    return (th, tw) if tiled and w >= tw and rows * w > 2 * _FLEX_BLOCK else (1, w)
+def tile_shape(rows: int, w: int, tiled: bool = True, block: int = _FLEX_BLOCK) -> tuple[int, int]:
+    """Token tile of the flattened order: the tile of ``block`` tokens (``_TILES``) where the grid
+    holds several flex blocks and is wide enough, else (1, w), which is plain row-major order."""
+    th, tw = _TILES[block]
+    return (th, tw) if tiled and w >= tw and rows * w > 2 * block else (1, w)
 
 
 def _padded(rows: int, w: int, tile: tuple[int, int]) -> tuple[int, int]:
@@ -348,20 +352,23 @@ def _block_mask(
     grid_rows: int,
     device: torch.device,
     tile: tuple[int, int],
+    block: int = _FLEX_BLOCK,
 ):
-    """Flex block mask for one band geometry, cached per geometry.
+    """Flex block mask for one band geometry (``block`` tokens per sparse block), cached per geometry.
 
     Built from :func:`block_flags` rather than ``create_block_mask``: compiling that (the only
     fast way at 20k tokens) stalled for minutes in ptxas under torchrun on 2 H200s, and eager it
     materialises the whole (Q, KV) mask at once. The mask_mod is still needed: flex applies it
     inside partial blocks.
     """
-    partial, full = block_flags(hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, device, tile=tile)
+    partial, full = block_flags(
+        hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, device, block=block, tile=tile
+    )
     lengths = tuple(r * c for r, c in (_padded(hq, w, tile), _padded(hk, w, tile)))
     return _flex_api()[0].from_kv_blocks(
         *_ordered(partial),
         *_ordered(full),
-        BLOCK_SIZE=_FLEX_BLOCK,
+        BLOCK_SIZE=block,
         seq_lengths=lengths,
         mask_mod=mask_mod_for(hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, tile),
     )
@@ -407,14 +414,28 @@ _SM90_FLEX_OPTIONS = {
 }
 
 
-def _kernel_options(q: torch.Tensor) -> dict | None:
-    """Kernel options for compiled flex on ``q``'s GPU (None: flex's defaults)."""
-    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] != 48:
-        return None
-    props = torch.cuda.get_device_properties(q.device)  # (dynamo folds this one to a constant)
-    if (props.major, props.minor) == (9, 0):
-        return dict(_SM90_FLEX_OPTIONS)
-    return None
+def _kernel_options(q: torch.Tensor, block: int = _FLEX_BLOCK) -> dict | None:
+    """Kernel options for compiled flex on ``q``'s GPU (None: flex's defaults). Sparse blocks of
+    64 tokens get kernel tiles of at most 64 tokens (flex's tiles must divide its blocks)."""
+    tuned = None
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 48:
+        props = torch.cuda.get_device_properties(q.device)  # (dynamo folds this one to a constant)
+        if (props.major, props.minor) == (9, 0):
+            tuned = dict(_SM90_FLEX_OPTIONS)
+    if block == 64:  # (the backward's tiles of the Hopper table are at most 64 already)
+        return {**(tuned or {}), **_TILES_OF_64}
+    return tuned
+
+
+# Kernel tiles for sparse blocks of 64 tokens: the Hopper table's backward, a 64-query forward.
+_TILES_OF_64 = {
+    "fwd_BLOCK_M": 64,
+    "fwd_BLOCK_N": 64,
+    "bwd_BLOCK_M1": 32,
+    "bwd_BLOCK_N1": 64,
+    "bwd_BLOCK_M2": 64,
+    "bwd_BLOCK_N2": 32,
+}
 
 
 def _flex_for(q: torch.Tensor):
@@ -434,18 +455,19 @@ def flex_neighbourhood_attention(
     kv_row_offset: int = 0,
     grid_rows: int | None = None,
     tiled: bool = True,
+    block: int = _FLEX_BLOCK,
 ) -> torch.Tensor:
-    """flex_attention over the flattened tokens (8 x 16 tiles, or row-major with ``tiled=False``
-    or on small grids), skipping blocks no window touches."""
+    """flex_attention over the flattened tokens (tiles of ``block`` tokens: 8 x 16 for 128, 8 x 8
+    for 64; row-major with ``tiled=False`` or on small grids), skipping blocks no window touches."""
     if _flex_api() is None:
         raise NotImplementedError("this torch has no torch.nn.attention.flex_attention")
     grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
     hq, w, hk = q.shape[2], q.shape[3], k.shape[2]
-    tile = tile_shape(max(hq, hk), w, tiled)
+    tile = tile_shape(max(hq, hk), w, tiled, block)
     prepare()  # a no-op after the first call (an attention module's construction makes it)
     assert _EAGER_BLOCK_MASK is not None
     qt, kt, vt = to_tiles(q, tile), to_tiles(k, tile), to_tiles(v, tile)
-    geometry = (hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device, tile)
+    geometry = (hq, hk, w, kernel, q_row_offset, kv_row_offset, grid_rows, q.device, tile, block)
     # A step traced on fake tensors (framework.plan, precompilation's discovery) must neither cache
     # a mask of fake tensors, which real steps would then read, nor run the compiled kernel, which
     # would launch on a fake tensor's pointers: both an illegal memory access on CUDA. Eager flex
@@ -455,7 +477,7 @@ def flex_neighbourhood_attention(
     fn = _flex_for(q)
     compiling = torch.compiler.is_compiling()  # eager flex traced into a compiled block
     # kernel options for compiled flex only: the compiled callable above, or flex traced here
-    options = _kernel_options(q) if compiling or fn is not _flex_api()[1] else None
+    options = _kernel_options(q, block) if compiling or fn is not _flex_api()[1] else None
     if compiling:  # (dynamo cannot trace catch_warnings: the rest would run eager)
         out = fn(qt, kt, vt, block_mask=mask, kernel_options=options)
     else:

@@ -90,12 +90,21 @@ def test_flex_equals_dense_forward(rows, cols, kernel, tiled):
     q, k, v = (t.detach().float() for t in qkv(rows, cols))
     from recipes.stormscope.natten import flex_neighbourhood_attention
 
-    torch.testing.assert_close(
-        flex_neighbourhood_attention(q, k, v, kernel, tiled=tiled),
-        dense_neighbourhood_attention(q, k, v, kernel),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+    dense = dense_neighbourhood_attention(q, k, v, kernel)
+    for block in (128, 64):  # sparse blocks of 128 tokens (8 x 16 tiles), and of 64 (8 x 8)
+        out = flex_neighbourhood_attention(q, k, v, kernel, tiled=tiled, block=block)
+        torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5, msg=f"block {block}")
+
+
+def test_blocks_of_64_get_tiles_and_kernel_tiles_that_divide_them():
+    """Flex needs its kernel tiles to divide the sparse blocks: 64-token blocks (8 x 8 token tiles)
+    get forward tiles of 64 queries, on any device; 128-token blocks keep flex's defaults off Hopper."""
+    q = torch.empty(1, 2, 64, 64, 48)
+    assert natten.tile_shape(64, 64, block=64) == (8, 8) and natten.tile_shape(64, 64) == (8, 16)
+    assert natten.tile_shape(4, 8, block=64) == (1, 8)  # too small a grid: row-major
+    options = natten._kernel_options(q, block=64)
+    assert options["fwd_BLOCK_M"] == 64 and all(64 % options[k] == 0 for k in options if "BLOCK" in k), options
+    assert natten._kernel_options(q) is None  # CPU tensors, 128-token blocks: flex's defaults
 
 
 @pytest.mark.skipif(not flex_runs_on_cpu(), reason="flex_attention does not run on CPU in this torch")
@@ -311,6 +320,24 @@ def test_flex_cuda_equals_dense_forward_and_backward(rows, cols, kernel, dtype):
     g = torch.randn_like(dense)
     want = torch.autograd.grad(dense, (q, k, v), g)
     out = neighbourhood_attention(q, k, v, kernel, impl="flex")
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, dense, **tol)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), want):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_cuda_in_blocks_of_64_equals_dense_forward_and_backward(dtype):
+    """Sparse blocks of 64 tokens in 8 x 8 tiles, with their kernel tiles (benchmarks/flex_options.py
+    --block 64 measures them): the same attention, gradients included."""
+    from recipes.stormscope.natten import flex_neighbourhood_attention
+
+    q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in qkv(40, 36, dim=16))
+    dense = dense_neighbourhood_attention(q, k, v, 9)
+    g = torch.randn_like(dense)
+    want = torch.autograd.grad(dense, (q, k, v), g)
+    out = flex_neighbourhood_attention(q, k, v, 9, block=64)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out, dense, **tol)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g), want):
