@@ -18,9 +18,10 @@ and prints ratios:
 
 Figures per GPU: samples/s, peak memory (allocated, and reserved by the allocator: with CUDA
 graphs only the latter sees the graphs' pool), and the bytes of parameters + gradients +
-optimizer state each GPU holds (measured from the tensors after a step). The timed steps start
-with the allocator's cache emptied, so "reserved" is what the steady step holds; "warm-up" is
-the peak before that (the eager FLOP-counting step, cuDNN's algorithm search).
+optimizer state each GPU holds (measured from the tensors after a step). After the warm-up the
+allocator's cache is emptied and one untimed step allocates again, so "reserved" is what the
+steady step holds; "warm-up" is the peak before that (the eager FLOP-counting step, cuDNN's
+algorithm search).
 
 Eager and compiled side by side: the driver runs every layout both ways (``--modes``);
 ``--compile`` in a worker is ``trainer.compile=true`` (``framework.train.compile``). The
@@ -400,6 +401,8 @@ def worker(args) -> None:
             # allocator would free those blocks itself before failing an allocation.
             warm_reserved = torch.cuda.max_memory_reserved(device) / 2**30
             torch.cuda.empty_cache()
+            t.train_step(batch)  # untimed: the steady step's memory allocated again
+            sync()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for _ in range(args.steps):

@@ -90,7 +90,9 @@ if triton is not None:
         start = pid * (ITERS * BLOCK_P)
         # sums of deviations from the chunk's first pixel (near the mean: no cancellation), kept
         # per tile element and reduced across the tile once, after the loop
-        pivot = tl.load(x_ptr + b.to(tl.int64) * s_b + start.to(tl.int64) * s_p + cs * s_c, mask=cmask, other=0.0)
+        # (64-bit, once per program: a channel's offset alone can pass 2**31 in an NCHW sample)
+        first = b.to(tl.int64) * s_b + start.to(tl.int64) * s_p + cs.to(tl.int64) * s_c
+        pivot = tl.load(x_ptr + first, mask=cmask, other=0.0)
         pivot = pivot.to(tl.float32)[None, :]
         acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
         acc2 = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)

@@ -196,7 +196,8 @@ class SongUNet(nn.Module):
         # Compiled channels-last, the output leaves in the targets' NCHW layout, made inside the
         # compiled output convolution (with its crop and bias): the loss, and EDM's preconditioner
         # mixing it with its NCHW input, then run on one layout, and the gradient that comes back
-        # is the layout the region was traced for (docs/benchmarks.md, run 12).
+        # is the layout the region was traced for (docs/benchmarks.md, run 12). (Split over a
+        # domain, the halo crop after it leaves a view of NCHW rows: those layouts stay NCHW.)
         self.out_conv.contiguous_output = True
         set_compiled_form(self, compiled_norm)
 

@@ -438,6 +438,22 @@ _TILES_OF_64 = {
 }
 
 
+def _check_block(q: torch.Tensor, block: int) -> None:
+    """Sparse blocks flex can build here. Of 64 tokens on CUDA only on Hopper with heads under 64:
+    inductor (torch 2.11-2.14) drops every backward candidate whose default tiles do not divide
+    the blocks before it applies the tiles asked for, and its defaults elsewhere are 128 wide."""
+    if block not in _TILES:
+        raise ValueError(f"flex neighbourhood attention: block must be one of {sorted(_TILES)}, got {block!r}")
+    if block == _FLEX_BLOCK or q.device.type != "cuda" or isinstance(q, torch._subclasses.FakeTensor):
+        return
+    props = torch.cuda.get_device_properties(q.device)
+    if (props.major, props.minor) != (9, 0) or q.shape[-1] >= 64:
+        raise NotImplementedError(
+            f"flex in blocks of {block} tokens needs a Hopper GPU (sm90) and heads of fewer than 64 "
+            f"(here sm{props.major}{props.minor}, heads of {q.shape[-1]})"
+        )
+
+
 def _flex_for(q: torch.Tensor):
     """flex_attention compiled for CUDA tensors; eager on CPU and for fake tensors (see above)."""
     if q.device.type == "cuda" and not isinstance(q, torch._subclasses.FakeTensor):
@@ -462,6 +478,7 @@ def flex_neighbourhood_attention(
     if _flex_api() is None:
         raise NotImplementedError("this torch has no torch.nn.attention.flex_attention")
     grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
+    _check_block(q, block)
     hq, w, hk = q.shape[2], q.shape[3], k.shape[2]
     tile = tile_shape(max(hq, hk), w, tiled, block)
     prepare()  # a no-op after the first call (an attention module's construction makes it)

@@ -157,3 +157,22 @@ def test_the_64_bit_offsets_compute_the_same_norm(monkeypatch):
     """The WIDE form of every kernel (forced here: a real one needs a 4 GiB sample) equals torch's."""
     monkeypatch.setattr(fused_norm, "_wide", lambda *flat: True)
     _check_against_float64("cpu", (2, 16, 5, 7), 4, True, True, True)
+
+
+@interpreted
+def test_a_sample_spanning_2_31_elements_is_addressed_in_64_bits():
+    """An NCHW sample whose channels lie 2**20 elements apart (2049 channels: the last one 2**31
+    elements in): statistics equal torch's, the first pixel of every channel (the reductions'
+    pivot) included. A view over an 8 GiB buffer of which only the viewed pages are touched."""
+    c, w, stride = 2049, 16, 2**20
+    try:
+        store = torch.empty(stride * c + w)
+    except RuntimeError as e:  # a machine that refuses to reserve that much address space
+        pytest.skip(f"no 8 GiB buffer here: {e}")
+    x = store.as_strided((1, c, 1, w), (stride * c, stride, w, 1))
+    x.copy_(torch.randn(1, c, 1, w, generator=torch.Generator().manual_seed(0)) + 5.0)
+    assert fused_norm._wide(fused_norm._flat(x))
+    mean_p, m2_p = fused_norm.gn_stats(x)
+    mean, var = fused_norm._combine(mean_p, m2_p, w, fused_norm._reduction(x, "stats").chunk)
+    torch.testing.assert_close(mean, x.mean((2, 3)))
+    torch.testing.assert_close(var, x.var((2, 3), unbiased=False))

@@ -98,13 +98,17 @@ def test_flex_equals_dense_forward(rows, cols, kernel, tiled):
 
 def test_blocks_of_64_get_tiles_and_kernel_tiles_that_divide_them():
     """Flex needs its kernel tiles to divide the sparse blocks: 64-token blocks (8 x 8 token tiles)
-    get forward tiles of 64 queries, on any device; 128-token blocks keep flex's defaults off Hopper."""
+    get kernel tiles of at most 64 tokens; 128-token blocks keep flex's defaults off Hopper; other
+    block sizes are refused (so are 64-token blocks on CUDA off Hopper or with heads of 64+, which
+    inductor cannot build a backward for: not testable on CPU)."""
     q = torch.empty(1, 2, 64, 64, 48)
     assert natten.tile_shape(64, 64, block=64) == (8, 8) and natten.tile_shape(64, 64) == (8, 16)
     assert natten.tile_shape(4, 8, block=64) == (1, 8)  # too small a grid: row-major
     options = natten._kernel_options(q, block=64)
     assert options["fwd_BLOCK_M"] == 64 and all(64 % options[k] == 0 for k in options if "BLOCK" in k), options
     assert natten._kernel_options(q) is None  # CPU tensors, 128-token blocks: flex's defaults
+    with pytest.raises(ValueError, match="block must be one of"):
+        natten._check_block(q, 32)
 
 
 @pytest.mark.skipif(not flex_runs_on_cpu(), reason="flex_attention does not run on CPU in this torch")
