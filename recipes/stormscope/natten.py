@@ -417,14 +417,19 @@ _SM90_FLEX_OPTIONS = {
 def _kernel_options(q: torch.Tensor, block: int = _FLEX_BLOCK) -> dict | None:
     """Kernel options for compiled flex on ``q``'s GPU (None: flex's defaults). Sparse blocks of
     64 tokens get kernel tiles of at most 64 tokens (flex's tiles must divide its blocks)."""
-    tuned = None
-    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 48:
-        props = torch.cuda.get_device_properties(q.device)  # (dynamo folds this one to a constant)
-        if (props.major, props.minor) == (9, 0):
-            tuned = dict(_SM90_FLEX_OPTIONS)
-    if block == 64:  # (the backward's tiles of the Hopper table are at most 64 already)
-        return {**(tuned or {}), **_TILES_OF_64}
-    return tuned
+    tuned = q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 48 and _hopper(q)
+    options = dict(_SM90_FLEX_OPTIONS) if tuned else None
+    if block == 64:  # the Hopper table's warps and stages, with tiles that divide the blocks
+        return {**(options or {}), **_TILES_OF_64}
+    return options
+
+
+def _hopper(q: torch.Tensor) -> bool:
+    """``q`` is on an sm90 GPU (H100, H200)."""
+    if q.device.type != "cuda":
+        return False
+    props = torch.cuda.get_device_properties(q.device)  # (dynamo folds this one to a constant)
+    return (props.major, props.minor) == (9, 0)
 
 
 # Kernel tiles for sparse blocks of 64 tokens: the Hopper table's backward, a 64-query forward.
@@ -446,8 +451,8 @@ def _check_block(q: torch.Tensor, block: int) -> None:
         raise ValueError(f"flex neighbourhood attention: block must be one of {sorted(_TILES)}, got {block!r}")
     if block == _FLEX_BLOCK or q.device.type != "cuda" or isinstance(q, torch._subclasses.FakeTensor):
         return
-    props = torch.cuda.get_device_properties(q.device)
-    if (props.major, props.minor) != (9, 0) or q.shape[-1] >= 64:
+    if not _hopper(q) or q.shape[-1] >= 64:
+        props = torch.cuda.get_device_properties(q.device)
         raise NotImplementedError(
             f"flex in blocks of {block} tokens needs a Hopper GPU (sm90) and heads of fewer than 64 "
             f"(here sm{props.major}{props.minor}, heads of {q.shape[-1]})"
