@@ -71,7 +71,7 @@ def build_model(args):
     if args.model == "dit":
         from recipes.stormscope.config import DiTConfig
 
-        cfg, io = DiTConfig(attn_impl=args.attn_impl), DIT_IO
+        cfg, io = DiTConfig(attn_impl=args.attn_impl, attn_block=args.attn_block), DIT_IO
     elif args.model == "diffusion":
         from recipes.stormcast.config import SongUNetConfig
         from recipes.weather.edm import EDMPrecond
@@ -484,6 +484,7 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
             args.model,
             "--attn-impl",
             args.attn_impl,
+            *(["--attn-block", str(args.attn_block)] if args.attn_block else []),
             "--watchdog",
             str(args.watchdog),
         ]
@@ -570,6 +571,7 @@ def main(argv=None) -> None:
         help="songunet: the regression net; diffusion: the EDM denoiser of stormcast_diffusion_fast; dit: StormScope's",
     )
     ap.add_argument("--attn-impl", default="auto", help="dit: auto | flex | reference")
+    ap.add_argument("--attn-block", type=int, choices=[64, 128], help="dit: flex's sparse block (default: auto)")
     ap.add_argument(
         "--watchdog",
         type=float,

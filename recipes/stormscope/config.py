@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from framework.config.resume import MAY
 from framework.config.schema import Invalid, non_negative, one_of, path_field, positive
 from recipes.weather.config import DiffusionTaskConfig, SyntheticStores, ZarrDataConfig
 
@@ -45,12 +46,20 @@ class DiTConfig:
     mask_token: bool = False
     checkpoint_blocks: bool = False
     attn_impl: str = "auto"  # auto | flex | reference
+    # flex's sparse block in tokens: 64 (8 x 8 tiles) or 128 (8 x 16); null: 64 for 16-bit heads
+    # under 64 on Hopper GPUs, where it is the faster, else 128
+    attn_block: int | None = None
+
+    # how the model computes, not what its weights mean: a resumed run may change them
+    RESUME_RULES = (("checkpoint_blocks", MAY, None), ("attn_impl", MAY, None), ("attn_block", MAY, None))
 
     def __post_init__(self):
         positive(self, "patch_size", "hidden_size", "depth", "num_heads", "attn_kernel")
         non_negative(self, "num_scalar_conditions")
         one_of(self, "pos_embed", ("learned", "rope", "none"))
         one_of(self, "attn_impl", ("auto", "flex", "reference"))
+        if self.attn_block not in (None, 64, 128):
+            raise Invalid("attn_block", f"must be null (auto), 64 or 128 tokens (got {self.attn_block!r})")
         if self.attn_kernel % 2 == 0:
             raise Invalid("attn_kernel", f"must be odd (got {self.attn_kernel})")
         if self.hidden_size % self.num_heads:

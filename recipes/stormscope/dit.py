@@ -161,8 +161,12 @@ class NeighbourhoodAttention(nn.Module):
         rope: bool = False,
         impl: str = "auto",
         mask_token: bool = False,
+        block: int | None = None,
     ):
         super().__init__()
+        if block not in natten.BLOCKS:
+            raise ValueError(f"attention block must be one of {natten.BLOCKS} tokens, got {block!r}")
+        self.block = block  # flex's sparse block (None: natten.auto_block)
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.kernel = kernel
@@ -201,6 +205,7 @@ class NeighbourhoodAttention(nn.Module):
             v,
             self.kernel,
             impl=self.impl,
+            block=self.block,
             q_row_offset=q_row_offset,
             kv_row_offset=kv_row_offset,
             grid_rows=grid_rows,
@@ -236,10 +241,13 @@ class DiTBlock(nn.Module):
         rope: bool,
         impl: str,
         mask_token: bool = False,
+        block: int | None = None,
     ):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = NeighbourhoodAttention(hidden_size, num_heads, kernel, rope=rope, impl=impl, mask_token=mask_token)
+        self.attn = NeighbourhoodAttention(
+            hidden_size, num_heads, kernel, rope=rope, impl=impl, mask_token=mask_token, block=block
+        )
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(hidden_size, mlp_ratio)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
@@ -307,6 +315,7 @@ class DiT(nn.Module):
         mask_token: bool = False,
         checkpoint_blocks: bool = False,
         attn_impl: str = "auto",
+        attn_block: int | None = None,
     ):
         super().__init__()
         h, w = img_resolution
@@ -346,6 +355,7 @@ class DiT(nn.Module):
                 pos_embed == "rope",
                 attn_impl,
                 mask_token=self.mask_token,
+                block=attn_block,
             )
             for _ in range(depth)
         )

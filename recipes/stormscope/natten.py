@@ -459,6 +459,20 @@ def _check_block(q: torch.Tensor, block: int) -> None:
         )
 
 
+BLOCKS = (None, *sorted(_TILES))  # model.attn_block: None picks (``auto_block``)
+
+
+def auto_block(q: torch.Tensor) -> int:
+    """Flex's sparse block where ``model.attn_block`` is null: 64 tokens (8 x 8 tiles) for 16-bit
+    heads under 64 on Hopper, where it is the faster (StormScope's layer on an H200: forward 3.14
+    instead of 3.63 ms, backward 7.21 instead of 9.78, benchmarks/flex_options.py --block 64),
+    else 128 (where 64 is refused or not measured)."""
+    if q.device.type != "cuda" or isinstance(q, torch._subclasses.FakeTensor) or not torch.cuda.is_available():
+        return _FLEX_BLOCK
+    small = q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] < 64
+    return 64 if small and _hopper(q) else _FLEX_BLOCK
+
+
 def _flex_for(q: torch.Tensor):
     """flex_attention compiled for CUDA tensors; eager on CPU and for fake tensors (see above)."""
     if q.device.type == "cuda" and not isinstance(q, torch._subclasses.FakeTensor):
@@ -476,13 +490,15 @@ def flex_neighbourhood_attention(
     kv_row_offset: int = 0,
     grid_rows: int | None = None,
     tiled: bool = True,
-    block: int = _FLEX_BLOCK,
+    block: int | None = _FLEX_BLOCK,
 ) -> torch.Tensor:
     """flex_attention over the flattened tokens (tiles of ``block`` tokens: 8 x 16 for 128, 8 x 8
-    for 64; row-major with ``tiled=False`` or on small grids), skipping blocks no window touches."""
+    for 64, None: ``auto_block``; row-major with ``tiled=False`` or on small grids), skipping
+    blocks no window touches."""
     if _flex_api() is None:
         raise NotImplementedError("this torch has no torch.nn.attention.flex_attention")
     grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
+    block = auto_block(q) if block is None else block
     _check_block(q, block)
     hq, w, hk = q.shape[2], q.shape[3], k.shape[2]
     tile = tile_shape(max(hq, hk), w, tiled, block)
@@ -535,12 +551,13 @@ def neighbourhood_attention(
     q_row_offset: int = 0,
     kv_row_offset: int = 0,
     grid_rows: int | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """Neighbourhood attention of ``q`` (B, heads, Hq, W, d) over ``k``/``v`` (B, heads, Hk, W, d).
 
     ``impl``: "auto" (flex on CUDA when head_dim >= 16, else reference), "flex" (falls back to
     reference, with a warning, where flex cannot run: backward on CPU, head_dim < 16 on CUDA)
-    or "reference".
+    or "reference". ``block``: flex's sparse block in tokens (64 or 128; None: ``auto_block``).
     """
     if impl not in IMPLS:
         raise ValueError(f"neighbourhood attention impl must be one of {IMPLS}, got impl={impl!r}")
@@ -553,7 +570,7 @@ def neighbourhood_attention(
         try:
             if not flex_supported(q):
                 raise NotImplementedError(f"flex needs head_dim >= 16 on CUDA, got {q.shape[-1]}")
-            return flex_neighbourhood_attention(q, k, v, kernel, **band)
+            return flex_neighbourhood_attention(q, k, v, kernel, block=block, **band)
         except NotImplementedError as e:
             global _warned_fallback
             if not _warned_fallback:

@@ -35,6 +35,7 @@ def build_dit(cfg: DiTConfig, *, in_channels: int, out_channels: int, img_resolu
         mask_token=cfg.mask_token,
         checkpoint_blocks=cfg.checkpoint_blocks,
         attn_impl=cfg.attn_impl,
+        attn_block=cfg.attn_block,
     )
 
 

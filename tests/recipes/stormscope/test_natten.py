@@ -111,6 +111,41 @@ def test_blocks_of_64_get_tiles_and_kernel_tiles_that_divide_them():
         natten._check_block(q, 32)
 
 
+def test_the_auto_block_is_128_off_hopper_and_asks_no_fake_tensor_its_device(monkeypatch):
+    """model.attn_block null: 128-token blocks on CPU and for fake tensors (a step traced on a
+    machine without the GPU must not query one); 64 on Hopper (GPU-marked test below)."""
+    from framework import compat
+
+    q = torch.empty(1, 2, 8, 8, 48, dtype=torch.bfloat16)
+    assert natten.auto_block(q) == 128
+
+    def no_query(_):
+        raise AssertionError("queried the device")
+
+    monkeypatch.setattr(natten, "_hopper", no_query)
+    with compat.fake_mode():
+        assert natten.auto_block(torch.empty(1, 2, 8, 8, 48, dtype=torch.bfloat16, device="cuda")) == 128
+
+
+@pytest.mark.gpu
+def test_the_auto_block_on_cuda_is_64_on_hopper_for_small_16_bit_heads_and_computes_the_same():
+    """Where null picks 64-token blocks (Hopper, 16-bit heads under 64), the attention equals the
+    one in 128-token blocks, gradients included; elsewhere it picks 128."""
+    from recipes.stormscope.natten import flex_neighbourhood_attention
+
+    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in qkv(40, 36, dim=16))
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert natten.auto_block(q) == (64 if hopper else 128)
+    assert natten.auto_block(q.float()) == 128 and natten.auto_block(q.new_empty(1, 1, 8, 8, 64)) == 128
+    g = torch.randn_like(q)
+    outs = []
+    for block in (None, 128):
+        out = flex_neighbourhood_attention(q, k, v, 9, block=block)
+        outs.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(not flex_runs_on_cpu(), reason="flex_attention does not run on CPU in this torch")
 def test_a_fake_tensor_trace_leaves_no_block_mask_in_the_cache():
     """Steps traced on fake tensors (mode=plan, precompilation's discovery) must not cache a mask
