@@ -117,7 +117,7 @@ def _local_bytes(tensors) -> int:
 def _variant(text: str) -> dict:
     """``key=value,...`` -> compile_model keyword arguments (ints/bools/None parsed); ``opt.NAME=v``
     is inductor option NAME (e.g. ``opt.triton.autotune_pointwise=0``), ``gn=explicit|fused|composite|aten`` the
-    compiled GroupNorm's form."""
+    compiled GroupNorm's form, ``norm_levels=1+2`` the SongUNet's ``recompute_norm_levels``."""
     out: dict = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         k, _, v = item.partition("=")
@@ -325,6 +325,11 @@ def worker(args) -> None:
             variant = _variant(args.variant)
             if "gn" in variant:  # else the model's default (auto: fused with CUDA graphs)
                 set_compiled_form(model, variant.pop("gn"))
+            if "norm_levels" in variant:  # model.recompute_norm_levels, e.g. norm_levels=1+2
+                levels = [int(v) for v in str(variant.pop("norm_levels")).split("+") if v]
+                for m in model.modules():
+                    if hasattr(m, "set_norm_recompute"):
+                        m.set_norm_recompute(levels)
             compiled = compile_model(model, device_type=device.type, **variant)
         jobs = []
         if compiled is not None:  # as the runtime does (trainer.compile_workers)

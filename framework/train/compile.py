@@ -314,18 +314,14 @@ def _wants_channels_last(units: list, device_type: str) -> bool:
     return any(p.dim() == 4 for m in modules for p in m.parameters(recurse=False))
 
 
-def _to_channels_last(module, args, kwargs):
-    if not torch.is_grad_enabled():  # validation and sampling run eager: NCHW suits torch's GroupNorm
-        return None
-
-    def conv(t):
-        return (
-            t.contiguous(memory_format=torch.channels_last)
-            if torch.is_tensor(t) and t.dim() == 4 and t.is_floating_point()
-            else t
-        )
-
-    return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+def takes_channels_last(unit: nn.Module, channels_last: bool) -> bool:
+    """Whether a compiled unit takes its 4-D inputs channels-last: all of them when the blocks run
+    so, but a unit marked ``compile_contiguous_inputs`` (a network's first convolution, which reads
+    the NCHW batch) takes them contiguous and changes their layout inside its graph, fused into its
+    first kernel (with the cast and channel padding), instead of a separate copy of the whole
+    input (1.06 ms of the regression step on an H200, docs/benchmarks.md, run 13); such a unit
+    hands back channels-last outputs (``configure_compile(channels_last=True)`` tells it)."""
+    return channels_last and not getattr(unit, "compile_contiguous_inputs", False)
 
 
 def compile_model(
@@ -351,8 +347,10 @@ def compile_model(
     config patches. ``dynamic``: torch.compile's (False: static shapes, one graph per block
     signature). ``memory_budget``: ``trainer.compile_memory_budget`` (``set_memory_budget``).
     ``cudagraphs``: ``trainer.compile_cudagraphs`` (``_replay_as_cuda_graphs``). Before compiling,
-    every module of ``model`` with a ``configure_compile(*, cudagraphs)`` method is told whether
-    the graphs will replay as CUDA graphs (a model's layer may pick its kernels by it).
+    every module of ``model`` with a ``configure_compile(*, cudagraphs, channels_last)`` method is
+    told whether the graphs will replay as CUDA graphs and whether the blocks run channels-last (a
+    model's layer may pick its kernels by them, or, taking contiguous inputs
+    (``takes_channels_last``), hand back channels-last outputs).
     """
     from framework.distributed.sharding import find_units
 
@@ -383,6 +381,9 @@ def compile_model(
         # whose output has half its input channels (the decoder's), and leaves its intermediate
         # buffers (the conv inputs) NCHW, so cuDNN transposed in and out of every conv.
         options.setdefault("force_layout_optimization", True)
+    recomputed = recomputed_ops(model)
+    if recomputed and backend == "inductor":
+        options.setdefault("joint_custom_pre_pass", RecomputeOps(recomputed))
     replay = cudagraphs and device_type == "cuda" and backend == "inductor"
     if replay:
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
@@ -396,18 +397,17 @@ def compile_model(
     for m in model.modules():  # a module may pick the kernels that pay under these settings
         configure = getattr(m, "configure_compile", None)
         if callable(configure):
-            configure(cudagraphs=replay)
+            configure(cudagraphs=replay, channels_last=channels_last)
     compiled_by_class: dict[type[nn.Module], object] = {}
     classes: Counter = Counter()
     for _, unit in picked:
         cls = type(unit)
         if cls not in compiled_by_class:
             compiled_by_class[cls] = torch.compile(cls.forward, **kwargs)
-        unit.forward = RegionForward(unit, compiled_by_class[cls], unit.forward, channels_last)
+        cl = takes_channels_last(unit, channels_last)
+        unit.forward = RegionForward(unit, compiled_by_class[cls], unit.forward, cl)
         classes[cls.__name__] += 1
     codes = list({c.forward.__code__ for c in compiled_by_class})
-    if channels_last:
-        model.register_forward_pre_hook(_to_channels_last, with_kwargs=True)
     out = Compiled(
         True,
         classes=dict(classes),
@@ -434,6 +434,44 @@ def compile_model(
         cache,
     )
     return out
+
+
+def recomputed_ops(model: nn.Module) -> tuple[str, ...]:
+    """The custom ops (``"namespace::name"``) the model's layers name in a ``recomputed_ops``
+    attribute: compiled graphs recompute their outputs in backward instead of keeping them."""
+    names = {n for m in model.modules() for n in getattr(m, "recomputed_ops", ())}
+    return tuple(sorted(names))
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # (present in torch 2.11-2.14)
+    CustomGraphPass = object  # type: ignore[assignment,misc]
+
+
+class RecomputeOps(CustomGraphPass):
+    """Inductor's joint-graph pass marking every node of the named ops must-recompute, as a
+    selective activation-checkpointing policy would: AOTAutograd's partitioner then recomputes
+    their outputs in backward from their inputs, whatever the memory budget (at budget 1 it would
+    keep them; below 1 its knapsack counts custom ops as free, so it recomputes all or none).
+    A layer picks where by which op it calls (a GroupNorm of chosen levels, for instance).
+    Picklable, and named in the compiled graphs' cache keys through ``uuid``."""
+
+    VERSION = 1
+
+    def __init__(self, names):
+        self.names = tuple(sorted(names))
+
+    def __call__(self, graph) -> None:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        for node in graph.nodes:
+            op = node.target
+            if node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op._schema.name in self.names:
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+    def uuid(self):
+        return f"framework.RecomputeOps.v{self.VERSION}:{','.join(self.names)}"
 
 
 def named_regions(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

@@ -165,7 +165,7 @@ def _apply_flags(flags: dict) -> None:
             backend.fp32_precision = value
 
 
-def _make(meta: Any, settings: Settings, generator: torch.Generator) -> Any:
+def _make(meta: Any, settings: Settings, generator: torch.Generator, channels_last: bool) -> Any:
     from framework.train.compile import canonical
 
     if not (isinstance(meta, tuple) and meta and meta[0] == "tensor"):
@@ -177,7 +177,7 @@ def _make(meta: Any, settings: Settings, generator: torch.Generator) -> Any:
         t = torch.randn(shape, generator=generator, device=settings.device).to(dtype)
     else:
         t = torch.zeros(shape, dtype=dtype, device=settings.device)
-    return canonical(t, settings.channels_last).requires_grad_(grad)
+    return canonical(t, channels_last).requires_grad_(grad)
 
 
 def build_graphs(jobs: list[Job], settings: Settings, timing_lock: Any = None) -> dict:
@@ -187,7 +187,7 @@ def build_graphs(jobs: list[Job], settings: Settings, timing_lock: Any = None) -
     import contextlib
 
     from framework import compat
-    from framework.train.compile import set_memory_budget, use_caches
+    from framework.train.compile import set_memory_budget, takes_channels_last, use_caches
 
     os.environ.update(settings.env)
     use_caches()
@@ -222,8 +222,9 @@ def build_graphs(jobs: list[Job], settings: Settings, timing_lock: Any = None) -
         if cls not in compiled:
             compiled[cls] = torch.compile(cls.forward, **settings.compile_kwargs)
         try:
-            args = [_make(a, settings, generator) for a in job.args]
-            kwargs = {k: _make(v, settings, generator) for k, v in job.kwargs.items()}
+            cl = takes_channels_last(block, settings.channels_last)
+            args = [_make(a, settings, generator, cl) for a in job.args]
+            kwargs = {k: _make(v, settings, generator, cl) for k, v in job.kwargs.items()}
             autocast = (
                 torch.autocast(torch.device(settings.device).type, dtype=settings.autocast_dtype)
                 if settings.autocast_dtype is not None

@@ -26,9 +26,16 @@ class SongUNetConfig:
     # else inductor's kernels), "fused", "explicit" (inductor's), "composite" or "aten" (for
     # comparisons); eager runs: torch's kernel
     compiled_norm: str = "auto"
+    # levels (0: the finest) whose GroupNorm + SiLU outputs are recomputed in backward rather
+    # than kept: less activation memory for one more pass over each of their inputs
+    recompute_norm_levels: list[int] = field(default_factory=list)
 
     # how the model computes, not what its weights mean: a resumed run may change them
-    RESUME_RULES = (("checkpoint_level", MAY, None), ("compiled_norm", MAY, None))
+    RESUME_RULES = (
+        ("checkpoint_level", MAY, None),
+        ("compiled_norm", MAY, None),
+        ("recompute_norm_levels", MAY, None),
+    )
 
     def __post_init__(self):
         positive(self, "model_channels", "channel_mult_emb", "num_blocks")
@@ -39,6 +46,12 @@ class SongUNetConfig:
             raise Invalid("dropout", f"must be in [0, 1) (got {self.dropout})")
         one_of(self, "embedding_type", ("zero", "positional"))
         one_of(self, "compiled_norm", GROUP_NORM_FORMS)
+        levels, asked = len(self.channel_mult), list(self.recompute_norm_levels)
+        if any(not 0 <= v < levels for v in asked):
+            raise Invalid(
+                "recompute_norm_levels",
+                f"levels run 0..{levels - 1} for channel_mult={list(self.channel_mult)} (got {asked})",
+            )
 
     @property
     def downsample_factor(self) -> int:

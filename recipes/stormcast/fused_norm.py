@@ -329,15 +329,24 @@ def _pointwise(kernel, name: str, out: torch.Tensor, x: torch.Tensor, tensors: t
     return out
 
 
-@torch.library.custom_op("stormcast::gn_apply", mutates_args=())
-def gn_apply(x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, silu: bool, dtype: torch.dtype) -> torch.Tensor:
+def _apply(x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, silu: bool, dtype: torch.dtype) -> torch.Tensor:
     """``x * a + c`` per (sample, channel), then SiLU if asked, in ``dtype``."""
     return _pointwise(gn_fused_apply, "apply", torch.empty_like(x, dtype=dtype), x, (), (a, c), silu)
 
 
-@gn_apply.register_fake
-def _(x, a, c, silu, dtype):
+def _apply_fake(x, a, c, silu, dtype):
     return torch.empty_like(x, dtype=dtype)
+
+
+gn_apply = torch.library.custom_op("stormcast::gn_apply", _apply, mutates_args=())
+gn_apply.register_fake(_apply_fake)
+# The same kernel under a second name, for the norms whose output is recomputed in backward rather
+# than kept (``group_norm(..., recompute=True)``): a compiled graph's partitioner tells the two
+# apart by name only (the model names it in ``GroupNorm.recomputed_ops``; the framework's compile
+# marks its nodes must-recompute).
+gn_apply_recomputed = torch.library.custom_op("stormcast::gn_apply_recomputed", _apply, mutates_args=())
+gn_apply_recomputed.register_fake(_apply_fake)
+RECOMPUTED_OPS = ("stormcast::gn_apply_recomputed",)
 
 
 @torch.library.custom_op("stormcast::gn_grad_sums", mutates_args=())
@@ -396,7 +405,7 @@ def _combine(mean_p: torch.Tensor, m2_p: torch.Tensor, pixels: int, chunk: int):
 
 class _FusedGroupNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, shift, groups: int, eps: float, silu: bool, dtype: torch.dtype):
+    def forward(ctx, x, weight, bias, shift, groups: int, eps: float, silu: bool, dtype: torch.dtype, recompute: bool):
         b, c = x.shape[:2]
         pixels = math.prod(x.shape[2:])
         mean_p, m2_p = gn_stats(x)
@@ -408,7 +417,7 @@ class _FusedGroupNorm(torch.autograd.Function):
         a, cc = _coefficients(spread(rstd_g, c, 0), _offset(mean_g, shift, c), weight, bias)
         ctx.save_for_backward(x, weight, bias, shift, mean_c, mean_g, rstd_g)
         ctx.groups, ctx.silu = groups, silu
-        return gn_apply(x, a, cc, silu, dtype)
+        return (gn_apply_recomputed if recompute else gn_apply)(x, a, cc, silu, dtype)
 
     @staticmethod
     def backward(ctx, gy):
@@ -429,7 +438,7 @@ class _FusedGroupNorm(torch.autograd.Function):
         if shift is not None and ctx.needs_input_grad[3]:  # the pixel sums of dx, from the sums above
             sum_xhat = pixels * (mean_c - spread(mean_g, c, 0)) * r
             dshift = (r * (w * s1 - pixels * ga - gb * sum_xhat)).to(shift.dtype)
-        return dx, dw, db, dshift, None, None, None, None
+        return dx, dw, db, dshift, None, None, None, None, None
 
 
 def _offset(mean_g, shift, c: int):
@@ -454,11 +463,14 @@ def group_norm(
     shift: torch.Tensor | None = None,
     silu: bool = False,
     dtype: torch.dtype | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """``F.group_norm(x + shift)``, then SiLU if ``silu``, in ``dtype`` (default ``x``'s), by the
     kernels above; statistics and arithmetic in float32. ``shift``: None or (B, C) (any shape
-    of B x C elements), added to every pixel of its sample and channel."""
+    of B x C elements), added to every pixel of its sample and channel. ``recompute``: the output
+    comes from ``gn_apply_recomputed`` (``RECOMPUTED_OPS``), which a compiled graph recomputes in
+    backward from ``x`` and the statistics instead of keeping it (one pass over ``x``)."""
     b, c = x.shape[:2]
     if shift is not None:
         shift = shift.reshape(b, c)
-    return _FusedGroupNorm.apply(x, weight, bias, shift, groups, eps, silu, dtype or x.dtype)
+    return _FusedGroupNorm.apply(x, weight, bias, shift, groups, eps, silu, dtype or x.dtype, recompute)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from recipes.stormcast import fused_norm
 from recipes.stormcast.group_stats import group_moments, input_grad_coefficients, spread
@@ -114,6 +115,11 @@ class Conv2d(nn.Module):
         # a network's last layer: its output in the plain (NCHW) layout of targets and inputs,
         # whatever the layout it computes in (see SongUNet)
         self.contiguous_output = False
+        # a network's first layer: compiled, it takes the NCHW input as it comes (the framework
+        # reads this) and, when the blocks run channels-last (``configure_compile``), changes its
+        # layout inside its graph, where the change fuses with the cast and channel padding
+        self.compile_contiguous_inputs = False
+        self._channels_last_input = False
         self.weight = None
         self.bias = None
         if kernel:
@@ -133,7 +139,13 @@ class Conv2d(nn.Module):
         else:
             self.resample_filter = None
 
+    def configure_compile(self, *, cudagraphs: bool, channels_last: bool = False) -> None:
+        """Called by the framework's compile before it compiles (see ``compile_contiguous_inputs``)."""
+        self._channels_last_input = channels_last and self.compile_contiguous_inputs
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._channels_last_input and torch.compiler.is_compiling():
+            x = x.contiguous(memory_format=torch.channels_last)
         f = self.resample_filter
         if f is not None and self._box:
             if self.down:
@@ -152,7 +164,13 @@ class Conv2d(nn.Module):
             else:
                 x = F.conv2d(x, f, groups=c, stride=2, padding=pad)
         if self.weight is not None:
-            x = _conv2d(x, self.weight.to(x.dtype))
+            w = self.weight
+            if torch.compiler.is_compiling() and _memory_format(x) == torch.channels_last and w.is_contiguous():
+                # a channels-last convolution's weight gradient is channels-last: handed back so,
+                # autograd copies it into the parameter's layout (113 launches, 1.5 ms of the
+                # regression step); made dense here, the copy fuses into the gradient's cast
+                w = _DenseGrad.apply(w)
+            x = _conv2d(x, w.to(x.dtype))
         if self.bias is not None:
             x = x + self.bias.to(x.dtype).reshape(1, -1, 1, 1)
         return x.contiguous() if self.contiguous_output else x
@@ -184,8 +202,17 @@ class GroupNorm(nn.Module):
     # kernel when compiled too (these two for side-by-side measurements). Eager: torch's kernel.
     # Set per model with ``set_compiled_form`` (``model.compiled_norm``).
     compiled_form = "auto"
+    # Compiled blocks recompute the output (after the SiLU) in backward instead of keeping it for
+    # the convolution that reads it: one pass over the input, which the norm's own backward keeps
+    # anyway. Set per instance (``SongUNet``'s ``recompute_norm_levels``). "fused": through the
+    # custom op the framework's compile marks must-recompute (``recomputed_ops``); the other forms:
+    # ``torch.utils.checkpoint`` around the norm, whose nodes the partitioner then recomputes
+    # (statistics included). Eager runs keep it: a checkpoint of the norm alone frees nothing
+    # there, since the convolution after it keeps its input (``checkpoint_level`` is eager's knob).
+    recompute = False
+    recomputed_ops = fused_norm.RECOMPUTED_OPS
 
-    def configure_compile(self, *, cudagraphs: bool) -> None:
+    def configure_compile(self, *, cudagraphs: bool, channels_last: bool = False) -> None:
         """Called by the framework's compile before it compiles: "auto" becomes a form (set on
         the instance, so it travels with the blocks to precompilation's worker processes)."""
         if self.compiled_form == "auto":
@@ -200,7 +227,14 @@ class GroupNorm(nn.Module):
             # in the dtype the convolution after it computes in: the same values, half the bytes
             out = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
             w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
-            return fused_norm.group_norm(x, self.num_groups, w, b, self.eps, shift=shift, silu=silu, dtype=out)
+            return fused_norm.group_norm(
+                x, self.num_groups, w, b, self.eps, shift=shift, silu=silu, dtype=out, recompute=self.recompute
+            )
+        if self.recompute and self.training and torch.compiler.is_compiling():
+            return checkpoint(self._norm_silu, x, shift, silu, use_reentrant=False)
+        return self._norm_silu(x, shift, silu)
+
+    def _norm_silu(self, x: torch.Tensor, shift: torch.Tensor | None, silu: bool) -> torch.Tensor:
         if shift is not None:
             x = x + shift.reshape(*shift.shape[:2], *(1,) * (x.dim() - 2))
         y = self.normalise(x)
@@ -501,7 +535,9 @@ class UNetBlock(nn.Module):
                 x = self.norm1(x, shift=params, silu=True)
         else:
             x = self.norm1(x, silu=True)
-        x = self.conv1(F.dropout(x, p=self.dropout, training=self.training))
+        if self.dropout:  # (at 0 a compiled graph would still copy x and keep the copy for conv1)
+            x = F.dropout(x, p=self.dropout, training=self.training)
+        x = self.conv1(x)
         x = (x + (self.skip(orig) if self.skip is not None else orig)) * self.skip_scale
         if self.attn is not None:
             x = (x + self.attn(x)) * self.skip_scale

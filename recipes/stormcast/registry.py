@@ -27,6 +27,7 @@ def build_songunet(cfg: SongUNetConfig, *, in_channels: int, out_channels: int, 
         additive_pos_embed=cfg.additive_pos_embed,
         checkpoint_level=cfg.checkpoint_level,
         compiled_norm=cfg.compiled_norm,
+        recompute_norm_levels=list(cfg.recompute_norm_levels),
     )
 
 

@@ -69,6 +69,11 @@ class SongUNet(nn.Module):
         checkpoint_level: gradient checkpointing of UNetBlocks; 0 disables it,
             ``L > 0`` checkpoints the blocks of the ``L`` finest levels (where the
             activations are largest); ``L >= len(channel_mult)`` checkpoints all.
+        recompute_norm_levels: levels (0: the finest) whose blocks' GroupNorm + SiLU outputs are
+            recomputed in backward instead of kept for the convolutions after them (``GroupNorm.
+            recompute``): memory for a pass over each norm's input (the output norm counts as
+            level 0; the regression preset at 512x640, batch 4: level 0 holds 7.8 GiB of them in
+            bf16, level 1 4.1, level 2 1.0).
         compiled_norm: the GroupNorm form of compiled blocks (``layers.GroupNorm.compiled_form``:
             "auto", "fused", "explicit", ...); eager runs use torch's kernel either way.
 
@@ -104,6 +109,7 @@ class SongUNet(nn.Module):
         additive_pos_embed: bool = False,
         checkpoint_level: int = 0,
         compiled_norm: str = "auto",
+        recompute_norm_levels: Sequence[int] = (),
     ):
         super().__init__()
         if embedding_type not in _EMBEDDING_TYPES:
@@ -156,6 +162,9 @@ class SongUNet(nn.Module):
             res = h >> level
             if level == 0:
                 self.enc[f"{res}_conv"] = Conv2d(cout, model_channels, kernel=3)
+                # compiled channels-last, it reads the NCHW input as it comes (its graph fuses
+                # the change of layout with the cast and channel padding; docs/benchmarks.md, run 13)
+                self.enc[f"{res}_conv"].compile_contiguous_inputs = True
                 cout = model_channels
             else:
                 self.enc[f"{res}_down"] = UNetBlock(cout, cout, down=True, **block_kwargs)
@@ -200,6 +209,22 @@ class SongUNet(nn.Module):
         # domain, the halo crop after it leaves a view of NCHW rows: those layouts stay NCHW.)
         self.out_conv.contiguous_output = True
         set_compiled_form(self, compiled_norm)
+        self.set_norm_recompute(recompute_norm_levels)
+
+    def set_norm_recompute(self, levels: Sequence[int]) -> None:
+        """Recompute in backward the GroupNorm outputs of the blocks at ``levels`` (only there)."""
+        levels = {int(v) for v in levels}
+        bad = sorted(v for v in levels if not 0 <= v < len(self.channel_mult))
+        if bad:
+            raise ValueError(f"recompute_norm_levels {bad}: levels run 0..{len(self.channel_mult) - 1}")
+        self.recompute_norm_levels = tuple(sorted(levels))
+        placed = [(self.out_norm, 0)]
+        placed += [(b, lv) for b, lv in zip(self.enc.values(), self._enc_levels)]
+        placed += [(b, lv) for b, lv in zip(self.dec.values(), self._dec_levels)]
+        for module, level in placed:
+            for m in module.modules():
+                if isinstance(m, GroupNorm):
+                    m.recompute = level in levels
 
     # -- helpers -----------------------------------------------------------------
 

@@ -146,13 +146,17 @@ def test_off_where_it_cannot_apply(caplog):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog):
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog, channels_last):
     """Two workers build the blocks' graphs with inductor (CPU backend); the first training step
     then builds none and loads every one from the cache, and trains like the eager model. A job
     a worker cannot build (here: inputs of the wrong width) is reported, not raised, and the
-    step compiles what is missing."""
+    step compiles what is missing. Channels-last, the workers give the input convolution the
+    contiguous input it takes (``compile_contiguous_inputs``) and the blocks channels-last ones."""
     eager, model = _unet(dropout=0.0), _unet(dropout=0.0)
-    compiled = compile_model(model, device_type="cpu", cache_dir=tmp_path / "cache")
+    compiled = compile_model(model, device_type="cpu", cache_dir=tmp_path / "cache", channels_last=channels_last)
+    layouts = {name: unit.forward.channels_last for name, unit in compiled.units_list}
+    assert layouts.pop("enc.16_conv") is False and set(layouts.values()) == {channels_last}, layouts
     jobs = precompile.plan_jobs(2, compiled, model, _Task(), 2, _Precision(), torch.device("cpu"))
     bad = precompile.Job(jobs[0].block, (("tensor", (2, 5, 16, 16), torch.float32, True), *jobs[0].args[1:]))
     with caplog.at_level("INFO", logger="framework"):

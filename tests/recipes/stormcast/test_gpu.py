@@ -130,6 +130,28 @@ def test_compiled_songunet_trains_like_eager_on_gpu(dtype, rtol, monkeypatch):
         assert abs(la - lb) <= rtol * abs(la), (a, b)
 
 
+def test_recomputed_norms_train_like_eager_on_gpu(monkeypatch):
+    """model.recompute_norm_levels on every level, with the fused GroupNorm kernels (CUDA graphs):
+    the compiled graphs call the op the framework's pass marks must-recompute, and train like
+    eager in fp32."""
+    from framework.train.compile import compile_model
+    from recipes.stormcast import fused_norm
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    calls = []
+    real = fused_norm.gn_apply_recomputed
+    monkeypatch.setattr(fused_norm, "gn_apply_recomputed", lambda *a: calls.append(1) or real(*a))
+    eager, compiled = _tiny_songunet(), _tiny_songunet()
+    compiled.set_norm_recompute([0, 1, 2])
+    c = compile_model(compiled, device_type="cuda", cudnn_benchmark=False, cudagraphs=True)
+    a, b = _train(eager, 4, torch.float32), _train(compiled, 4, torch.float32)
+    assert calls and c.stats()["graph_breaks"] == 0, c.stats()
+    for la, lb in zip(a, b):
+        assert abs(la - lb) <= 1e-4 * abs(la), (a, b)
+
+
 @pytest.mark.parametrize("micro", [1, 2], ids=["one_micro_batch", "grad_accum_2"])
 def test_cuda_graphs_train_like_eager_on_gpu(micro, monkeypatch):
     """trainer.compile_cudagraphs: every block's forward and backward graph replayed from one

@@ -317,6 +317,103 @@ def test_compiled_block_trains_like_the_eager_one(form, channels_last, monkeypat
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _norm_flags(model):
+    return {n: m.recompute for n, m in model.named_modules() if isinstance(m, layers.GroupNorm)}
+
+
+def test_recompute_norm_levels_mark_only_the_norms_of_those_levels():
+    """model.recompute_norm_levels reaches the GroupNorms of the blocks at those levels, and only
+    them (the output norm counts as level 0; an up block at the finer level it writes); a level the
+    net does not have is a config error naming the key and the range."""
+    import recipes.stormcast.registry  # noqa: F401  (registers the songunet builder)
+    from framework import registry
+    from framework.config.schema import Invalid
+    from recipes.stormcast.config import SongUNetConfig
+
+    cfg = SongUNetConfig(model_channels=8, channel_mult=[1, 2, 2], num_blocks=1, recompute_norm_levels=[1])
+    model = registry.models.entry("songunet").builder(cfg, in_channels=3, out_channels=2, img_resolution=[16, 16])
+    flags = _norm_flags(model)
+    on = sorted({n.rsplit(".norm", 1)[0] for n, f in flags.items() if f})
+    # level 1 rows: 8; the down block enters it, the up block from 4 rows leaves into it
+    assert on == ["dec.8_block0", "dec.8_block1", "dec.8_up", "enc.8_block0", "enc.8_down"], on
+    assert not flags["out_norm"] and all(len(n.split(".")) >= 2 for n in on)
+    model.set_norm_recompute([0, 1, 2])
+    assert all(_norm_flags(model).values())
+    model.set_norm_recompute([])
+    assert not any(_norm_flags(model).values())
+    with pytest.raises(ValueError, match=r"recompute_norm_levels \[3\]: levels run 0..2"):
+        model.set_norm_recompute([3])
+    message = r"recompute_norm_levels.*levels run 0..1 for channel_mult=\[1, 2\] \(got \[0, 2\]\)"
+    with pytest.raises(Invalid, match=message):
+        SongUNetConfig(channel_mult=[1, 2], recompute_norm_levels=[0, 2])
+
+
+def _saved_and_grads(block, compile_fn):
+    """(elements of the distinct activations (8 x 8 pixels) the step kept for backward, the input's
+    and the parameters' gradients)."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    emb, grad = torch.randn(2, 32), torch.randn(2, 8, 8, 8)
+    block.zero_grad(set_to_none=True)
+    saved = {}
+
+    def pack(t):
+        if t.is_floating_point() and t.dim() == 4 and t.shape[2:] == (8, 8):  # (not dropout's mask)
+            saved[t.untyped_storage().data_ptr()] = t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compile_fn(block)(x, emb)
+    out.backward(grad)
+    return sum(saved.values()), [x.grad] + [p.grad for p in block.parameters()]
+
+
+@pytest.mark.parametrize("form", ["eager", "explicit", "fused"])
+def test_recomputed_norms_keep_less_for_backward_and_train_alike(form, monkeypatch):
+    """A compiled block whose norms recompute keeps only the norms' inputs for backward (the block's
+    input and the first convolution's output), not their outputs, and gives the same gradients:
+    the explicit form through torch's checkpoint, the fused form (the Triton kernels, under the
+    interpreter on CPU) through inductor and the framework's must-recompute pass on its custom op.
+    An eager block keeps what it kept (a checkpoint of the norm alone would free nothing there)."""
+    from framework.train.compile import RecomputeOps, recomputed_ops
+    from recipes.stormcast import fused_norm
+
+    if form == "fused" and not fused_norm.available(torch.empty(1, 1, 1)):
+        pytest.skip("the fused kernels need Triton (on CPU: its interpreter, TRITON_INTERPRET=1)")
+    calls = []
+    real = fused_norm.gn_apply_recomputed
+    monkeypatch.setattr(fused_norm, "gn_apply_recomputed", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    block = UNetBlock(16, 8, emb_channels=32, eps=1e-6)
+    for p in block.parameters():  # no zero-initialised convolution: every gradient is non-trivial
+        torch.nn.init.normal_(p, std=0.1)
+    layers.set_compiled_form(block, "explicit" if form == "eager" else form)
+    if form == "eager":
+        compile_fn = lambda b: b  # noqa: E731
+    elif form == "explicit":
+        compile_fn = partial(torch.compile, backend="aot_eager", fullgraph=True)
+    else:
+        options = {"joint_custom_pre_pass": RecomputeOps(recomputed_ops(block))}
+        compile_fn = partial(torch.compile, backend="inductor", fullgraph=True, options=options)
+    results = []
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        for m in block.modules():
+            if isinstance(m, layers.GroupNorm):
+                m.recompute = recompute
+        results.append(_saved_and_grads(block, compile_fn))
+    torch._dynamo.reset()
+    (kept, want), (recomputed, got) = results
+    if form == "eager":
+        assert recomputed == kept, (kept, recomputed)
+    else:
+        assert recomputed == 2 * (16 + 8) * 8 * 8 < kept, (kept, recomputed)
+    assert bool(calls) == (form == "fused")
+    names = ["input"] + [n for n, _ in block.named_parameters()]
+    for name, a, b in zip(names, want, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("filename", ["songunet.py", "layers.py", "fused_norm.py", "group_stats.py"])
 def test_model_code_does_not_import_framework(filename):
     tree = ast.parse((STORMCAST_DIR / filename).read_text())
