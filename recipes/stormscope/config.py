@@ -8,6 +8,7 @@ from omegaconf import MISSING
 
 from framework.config.resume import MAY
 from framework.config.schema import Invalid, non_negative, one_of, path_field, positive
+from recipes.stormscope.natten import BLOCKS
 from recipes.weather.config import DiffusionTaskConfig, SyntheticStores, ZarrDataConfig
 
 
@@ -58,7 +59,7 @@ class DiTConfig:
         non_negative(self, "num_scalar_conditions")
         one_of(self, "pos_embed", ("learned", "rope", "none"))
         one_of(self, "attn_impl", ("auto", "flex", "reference"))
-        if self.attn_block not in (None, 64, 128):
+        if self.attn_block not in BLOCKS:
             raise Invalid("attn_block", f"must be null (auto), 64 or 128 tokens (got {self.attn_block!r})")
         if self.attn_kernel % 2 == 0:
             raise Invalid("attn_kernel", f"must be odd (got {self.attn_kernel})")
