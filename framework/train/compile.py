@@ -383,7 +383,10 @@ def compile_model(
         options.setdefault("force_layout_optimization", True)
     recomputed = recomputed_ops(model)
     if recomputed and backend == "inductor":
-        options.setdefault("joint_custom_pre_pass", RecomputeOps(recomputed))
+        if options.get("joint_custom_pre_pass") is not None:
+            log.warning("compile: options hold a joint_custom_pre_pass; %s not marked for recompute", recomputed)
+        else:
+            options["joint_custom_pre_pass"] = RecomputeOps(recomputed)
     replay = cudagraphs and device_type == "cuda" and backend == "inductor"
     if replay:
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
@@ -397,7 +400,7 @@ def compile_model(
     for m in model.modules():  # a module may pick the kernels that pay under these settings
         configure = getattr(m, "configure_compile", None)
         if callable(configure):
-            configure(cudagraphs=replay, channels_last=channels_last)
+            configure(**_accepted(configure, cudagraphs=replay, channels_last=channels_last))
     compiled_by_class: dict[type[nn.Module], object] = {}
     classes: Counter = Counter()
     for _, unit in picked:
@@ -434,6 +437,17 @@ def compile_model(
         cache,
     )
     return out
+
+
+def _accepted(fn, **settings) -> dict:
+    """The ``settings`` ``fn`` takes (all of them if it takes ``**kwargs``): a ``configure_compile``
+    written before an argument was added keeps working."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return settings
+    return {k: v for k, v in settings.items() if k in params}
 
 
 def recomputed_ops(model: nn.Module) -> tuple[str, ...]:

@@ -71,9 +71,11 @@ class SongUNet(nn.Module):
             activations are largest); ``L >= len(channel_mult)`` checkpoints all.
         recompute_norm_levels: levels (0: the finest) whose blocks' GroupNorm + SiLU outputs are
             recomputed in backward instead of kept for the convolutions after them (``GroupNorm.
-            recompute``): memory for a pass over each norm's input (the output norm counts as
-            level 0; the regression preset at 512x640, batch 4: level 0 holds 7.8 GiB of them in
-            bf16, level 1 4.1, level 2 1.0).
+            recompute``, compiled blocks only): memory for a pass over each norm's input (the
+            regression preset at 512x640, batch 4: level 0 holds 7.5 GiB of them in bf16, level 1
+            4.1, level 2 1.0). The output norm is not among them: its output leaves its compiled
+            region for the output convolution's, which keeps its input anyway. A domain split
+            replaces the GroupNorm's forward with the framework's split norm, which keeps all.
         compiled_norm: the GroupNorm form of compiled blocks (``layers.GroupNorm.compiled_form``:
             "auto", "fused", "explicit", ...); eager runs use torch's kernel either way.
 
@@ -218,8 +220,7 @@ class SongUNet(nn.Module):
         if bad:
             raise ValueError(f"recompute_norm_levels {bad}: levels run 0..{len(self.channel_mult) - 1}")
         self.recompute_norm_levels = tuple(sorted(levels))
-        placed = [(self.out_norm, 0)]
-        placed += [(b, lv) for b, lv in zip(self.enc.values(), self._enc_levels)]
+        placed = [(b, lv) for b, lv in zip(self.enc.values(), self._enc_levels)]
         placed += [(b, lv) for b, lv in zip(self.dec.values(), self._dec_levels)]
         for module, level in placed:
             for m in module.modules():

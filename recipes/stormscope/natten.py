@@ -443,15 +443,21 @@ _TILES_OF_64 = {
 }
 
 
+def _block_runs(q: torch.Tensor, block: int) -> bool:
+    """Flex can build sparse blocks of ``block`` tokens for ``q``. Of 64 tokens on CUDA only on
+    Hopper with heads under 64: inductor (torch 2.11-2.14) drops every backward candidate whose
+    default tiles do not divide the blocks before it applies the tiles asked for, and its defaults
+    elsewhere are 128 wide."""
+    if block == _FLEX_BLOCK or q.device.type != "cuda" or isinstance(q, torch._subclasses.FakeTensor):
+        return True
+    return _hopper(q) and q.shape[-1] < 64
+
+
 def _check_block(q: torch.Tensor, block: int) -> None:
-    """Sparse blocks flex can build here. Of 64 tokens on CUDA only on Hopper with heads under 64:
-    inductor (torch 2.11-2.14) drops every backward candidate whose default tiles do not divide
-    the blocks before it applies the tiles asked for, and its defaults elsewhere are 128 wide."""
+    """Refuses a block size flex is not set up for, or cannot build here (``_block_runs``)."""
     if block not in _TILES:
         raise ValueError(f"flex neighbourhood attention: block must be one of {sorted(_TILES)}, got {block!r}")
-    if block == _FLEX_BLOCK or q.device.type != "cuda" or isinstance(q, torch._subclasses.FakeTensor):
-        return
-    if not _hopper(q) or q.shape[-1] >= 64:
+    if not _block_runs(q, block):
         props = torch.cuda.get_device_properties(q.device)
         raise NotImplementedError(
             f"flex in blocks of {block} tokens needs a Hopper GPU (sm90) and heads of fewer than 64 "
@@ -526,6 +532,13 @@ def flex_neighbourhood_attention(
 
 
 _warned_fallback = False
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _counting_flops() -> bool:
@@ -570,6 +583,11 @@ def neighbourhood_attention(
         try:
             if not flex_supported(q):
                 raise NotImplementedError(f"flex needs head_dim >= 16 on CUDA, got {q.shape[-1]}")
+            if block is not None and block in _TILES and not _block_runs(q, block):
+                # a size asked for (model.attn_block) that this GPU cannot take: flex's 128-token
+                # blocks, not the far slower reference
+                _warn_once(f"flex blocks of {block} tokens need Hopper and heads under 64; using {_FLEX_BLOCK}")
+                block = _FLEX_BLOCK
             return flex_neighbourhood_attention(q, k, v, kernel, block=block, **band)
         except NotImplementedError as e:
             global _warned_fallback

@@ -123,8 +123,27 @@ def test_the_auto_block_is_128_off_hopper_and_asks_no_fake_tensor_its_device(mon
         raise AssertionError("queried the device")
 
     monkeypatch.setattr(natten, "_hopper", no_query)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine: the fake check decides
     with compat.fake_mode():
         assert natten.auto_block(torch.empty(1, 2, 8, 8, 48, dtype=torch.bfloat16, device="cuda")) == 128
+
+
+def test_a_block_size_this_gpu_cannot_take_falls_back_to_128_token_flex_not_the_reference(monkeypatch):
+    """model.attn_block=64 where flex cannot build such blocks (off Hopper, heads of 64+): flex in
+    128-token blocks, with one warning, rather than the far slower reference attention."""
+    used = []
+    monkeypatch.setattr(natten, "_block_runs", lambda q, block: block == 128)
+    monkeypatch.setattr(natten, "flex_neighbourhood_attention", lambda *a, block, **k: used.append(block) or a[0])
+    monkeypatch.setattr(natten, "reference_neighbourhood_attention", None)  # a fallback would fail here
+    monkeypatch.setattr(natten, "_warned", set())
+    q, k, v = qkv(8, 8, requires_grad=False)
+    with pytest.warns(UserWarning, match="flex blocks of 64 tokens need Hopper and heads under 64; using 128"):
+        natten.neighbourhood_attention(q, k, v, 3, impl="flex", block=64)
+    natten.neighbourhood_attention(q, k, v, 3, impl="flex", block=64)  # (warned once)
+    natten.neighbourhood_attention(q, k, v, 3, impl="flex", block=None)
+    assert used == [128, 128, None]
+    with pytest.raises(ValueError, match="block must be one of"):
+        natten._check_block(q, 32)
 
 
 @pytest.mark.gpu
