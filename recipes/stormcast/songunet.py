@@ -219,7 +219,6 @@ class SongUNet(nn.Module):
         bad = sorted(v for v in levels if not 0 <= v < len(self.channel_mult))
         if bad:
             raise ValueError(f"recompute_norm_levels {bad}: levels run 0..{len(self.channel_mult) - 1}")
-        self.recompute_norm_levels = tuple(sorted(levels))
         placed = [(b, lv) for b, lv in zip(self.enc.values(), self._enc_levels)]
         placed += [(b, lv) for b, lv in zip(self.dec.values(), self._dec_levels)]
         for module, level in placed:

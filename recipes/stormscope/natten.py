@@ -475,8 +475,7 @@ def auto_block(q: torch.Tensor) -> int:
     else 128 (where 64 is refused or not measured)."""
     if q.device.type != "cuda" or isinstance(q, torch._subclasses.FakeTensor) or not torch.cuda.is_available():
         return _FLEX_BLOCK
-    small = q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] < 64
-    return 64 if small and _hopper(q) else _FLEX_BLOCK
+    return 64 if q.dtype in (torch.bfloat16, torch.float16) and _block_runs(q, 64) else _FLEX_BLOCK
 
 
 def _flex_for(q: torch.Tensor):
@@ -531,13 +530,13 @@ def flex_neighbourhood_attention(
     return from_tiles(out, tile, hq, w)
 
 
-_warned_fallback = False
-_warned: set[str] = set()
+_warned: set[str] = set()  # what _warn_once has said, by key
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
+def _warn_once(message: str, key: str | None = None) -> None:
+    """Warn once per ``key`` (default: the message itself)."""
+    if (key or message) not in _warned:
+        _warned.add(key or message)
         warnings.warn(message, stacklevel=3)
 
 
@@ -590,10 +589,6 @@ def neighbourhood_attention(
                 block = _FLEX_BLOCK
             return flex_neighbourhood_attention(q, k, v, kernel, block=block, **band)
         except NotImplementedError as e:
-            global _warned_fallback
-            if not _warned_fallback:
-                warnings.warn(
-                    f"flex neighbourhood attention unavailable ({e}); using the reference implementation", stacklevel=2
-                )
-                _warned_fallback = True
+            message = f"flex neighbourhood attention unavailable ({e}); using the reference implementation"
+            _warn_once(message, key="fallback")
     return reference_neighbourhood_attention(q, k, v, kernel, **band)

@@ -206,7 +206,7 @@ def test_tiled_order_round_trips_and_is_used_on_big_grids(rows, cols, kernel):
 def test_flex_falls_back_where_it_cannot_run(monkeypatch):
     import recipes.stormscope.natten as natten
 
-    monkeypatch.setattr(natten, "_warned_fallback", False)
+    monkeypatch.setattr(natten, "_warned", set())
     q, k, v = (t.detach().float().requires_grad_() for t in qkv(5, 6))
     with pytest.warns(UserWarning, match="reference"):  # CPU flex has no backward: reference takes over
         out = neighbourhood_attention(q, k, v, 3, impl="flex")
