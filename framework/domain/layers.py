@@ -7,7 +7,9 @@ original forward still does the work on halo-extended local rows.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from framework.domain.comm import DomainGroup, gather_rows, halo_exchange
 from framework.domain.group_norm import split_group_norm
@@ -35,11 +37,22 @@ class GroupNormMixin:
     """GroupNorm whose statistics span the domain group: one all-gather of the bands' per-group
     statistics forward, one all-reduce backward (framework/domain/group_norm.py), and only the
     input kept for backward. Needs ``num_groups``, ``eps``, ``weight``, ``bias`` (as torch's
-    GroupNorm has)."""
+    GroupNorm has).
+
+    A layer whose ``recompute`` attribute is true (the model's choice, per layer) keeps not
+    even its output in a compiled training step: the norm and its SiLU run under
+    ``torch.utils.checkpoint``, so backward recomputes them from the input (the statistics'
+    all-gather included) where the convolution after it would keep the output. Eager steps keep
+    it, as the model's own GroupNorm does there (that convolution keeps its input anyway)."""
 
     _domain: DomainGroup
 
     def forward(self, x, shift=None, silu=False):
+        if getattr(self, "recompute", False) and self.training and torch.compiler.is_compiling():
+            return checkpoint(self._split_norm_silu, x, shift, silu, use_reentrant=False)
+        return self._split_norm_silu(x, shift, silu)
+
+    def _split_norm_silu(self, x, shift, silu):
         if shift is not None:  # one value per (sample, channel): (B, C) or (B, C, 1, 1)
             x = x + shift.reshape(*shift.shape[:2], *(1,) * (x.dim() - 2))
         y = split_group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self._domain)

@@ -75,7 +75,8 @@ class SongUNet(nn.Module):
             regression preset at 512x640, batch 4: level 0 holds 7.5 GiB of them in bf16, level 1
             4.1, level 2 1.0). The output norm is not among them: its output leaves its compiled
             region for the output convolution's, which keeps its input anyway. A domain split
-            replaces the GroupNorm's forward with the framework's split norm, which keeps all.
+            replaces the GroupNorm's forward with the framework's split norm, which honours it through
+            ``torch.utils.checkpoint`` (its statistics' all-gather recomputed too).
         compiled_norm: the GroupNorm form of compiled blocks (``layers.GroupNorm.compiled_form``:
             "auto", "fused", "explicit", ...); eager runs use torch's kernel either way.
 

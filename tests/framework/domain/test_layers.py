@@ -146,6 +146,57 @@ def test_group_norm_mixin_keeps_float64_precision():
     assert dom(x).dtype == torch.float64
 
 
+class _ConvNormConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.norm = nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(self.norm(self.conv1(x), silu=True))
+
+
+def _kept_and_grads(net, x, compiled: bool):
+    """(elements of the distinct activations kept for backward, the input's and parameters' gradients)."""
+    torch._dynamo.reset()
+    net.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    saved = {}
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[2:] == x.shape[2:]:  # activations, not weights or statistics
+            saved[t.untyped_storage().data_ptr()] = t.numel()
+        return t
+
+    run = torch.compile(net, backend="aot_eager", fullgraph=True) if compiled else net
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = run(x)
+    y.square().sum().backward()
+    return sum(saved.values()), [x.grad] + [p.grad for p in net.parameters()]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_split_norm_marked_recompute_keeps_only_its_input_when_compiled(compiled):
+    """A split GroupNorm whose layer asks for recompute (``recompute = True``, as the SongUNet's
+    ``recompute_norm_levels`` set) keeps neither its output nor its SiLU's in a compiled step (the
+    convolution after it would keep that): backward recomputes them, with the same gradients. An
+    eager step keeps what it kept."""
+    net = randomize(_ConvNormConv(), seed=2)
+    swap_class(net.norm, GroupNormMixin, DomainGroup(None, [H]))
+    x = torch.randn(B, 4, H, W)
+    kept, want = _kept_and_grads(net, x, compiled)
+    net.norm.recompute = True
+    recomputed, got = _kept_and_grads(net, x, compiled)
+    torch._dynamo.reset()
+    image = B * H * W
+    if compiled:  # the input, conv1's output (the norm's input); not the norm's nor the SiLU's output
+        assert recomputed == (4 + 8) * image < kept, (kept, recomputed)
+    else:
+        assert recomputed == kept, (kept, recomputed)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def _group_norm_traffic(rank, world):
     """One collective forward and one backward per split GroupNorm, and only the input (plus the
     per-group statistics) kept for backward: what torch's own GroupNorm keeps."""

@@ -485,10 +485,13 @@ def _layout(rank, world, sharding, backend):
         assert abs(t.item() - lr) <= 1e-5 * lr, (step, t.item(), lr)
 
 
-def _domain_layout(rank, world, sharding, extents):
+def _domain_layout(rank, world, sharding, extents, recompute_levels=()):
     """The SongUNet split over the rows of each sample (2 domain ranks, uneven bands), its blocks
     compiled with the halo exchanges, GroupNorm sums and attention gathers inside their graphs,
-    then DDP or FSDP2 over the domain ranks, as parallel=domain / fsdp2_domain build it."""
+    then DDP or FSDP2 over the domain ranks, as parallel=domain / fsdp2_domain build it. With
+    ``recompute_levels``, the split norms of those levels recompute in backward (their statistics'
+    all-gather too), under the checkpoint ``GroupNormMixin`` puts around them."""
+    import framework.domain.layers as domain_layers
     from framework.config.schema import ParallelConfig, PrecisionConfig, ShardingConfig
     from framework.distributed import mesh, precision
     from framework.distributed import sharding as policies
@@ -501,7 +504,12 @@ def _domain_layout(rank, world, sharding, extents):
     ref_losses = _train(_model(), batches)
     topo = mesh.build(mesh.resolve(ParallelConfig(dp_shard=1, domain=world), world), "cpu")
     dg = DomainGroup(topo.group("domain"), extents)
-    model = split(_model(), dg, PLAN)
+    model = _model()
+    model.set_norm_recompute(recompute_levels)
+    model = split(model, dg, PLAN)
+    checkpoints = []
+    real = domain_layers.checkpoint
+    domain_layers.checkpoint = lambda *a, **k: checkpoints.append(1) or real(*a, **k)
     c = compile_model(model, device_type="cpu", backend="aot_eager")
     prec = precision.build(PrecisionConfig(name="fp32"), torch.device("cpu"))
     sharded = policies.__dict__[sharding](
@@ -520,13 +528,15 @@ def _domain_layout(rank, world, sharding, extents):
         assert abs(total.item() - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, total.item(), ref_losses)
     s = c.stats()
     assert c.enabled and s["graphs"] > 0 and s["graph_breaks"] == 0, s
+    assert bool(checkpoints) == bool(recompute_levels), checkpoints
 
 
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
-def test_compiled_domain_layouts_train_like_one_eager_process(sharding):
+@pytest.mark.parametrize("sharding,levels", [("ddp", [0]), ("fsdp2", [])], ids=["ddp-recompute", "fsdp2"])
+def test_compiled_domain_layouts_train_like_one_eager_process(sharding, levels):
     """trainer.compile on parallel=domain (DDP) and fsdp2_domain: one graph per block signature,
-    no graph break, the losses of one eager process."""
-    spawn(_domain_layout, 2, sharding, [10, 6], timeout_s=240)
+    no graph break, the losses of one eager process; under DDP with the finest level's norms
+    recomputed (``model.recompute_norm_levels``)."""
+    spawn(_domain_layout, 2, sharding, [10, 6], levels, timeout_s=240)
 
 
 @pytest.mark.parametrize("sharding,backend", [("fsdp2", "aot_eager"), ("ddp", "eager")])
