@@ -39,7 +39,7 @@ def step_convs(batch: int) -> list[tuple[tuple, tuple, int]]:
             return func(*args, **(kwargs or {}))
 
     with torch.device("meta"):
-        model = SongUNet((512, 640), 127, 99, embedding_type="zero", dropout=0.0, **PAPER)
+        model = SongUNet((512, 640), 127, 99, embedding_type="zero", **{**PAPER, "dropout": 0.0})
         with _Record():
             model(torch.empty(batch, 127, 512, 640))
     return [(x, w, n) for (x, w), n in seen.items()]

@@ -44,7 +44,7 @@ def step_norms() -> dict[tuple[int, int, int], int]:
     from recipes.stormcast.songunet import SongUNet
 
     with torch.device("meta"):
-        model = SongUNet((512, 640), 127, 99, embedding_type="zero", dropout=0.0, **PAPER)
+        model = SongUNet((512, 640), 127, 99, embedding_type="zero", **{**PAPER, "dropout": 0.0})
         seen: Counter = Counter()
         for m in model.modules():
             if isinstance(m, GroupNorm):

@@ -39,18 +39,22 @@ class GroupNormMixin:
     input kept for backward. Needs ``num_groups``, ``eps``, ``weight``, ``bias`` (as torch's
     GroupNorm has).
 
-    A layer whose ``recompute`` attribute is true (the model's choice, per layer) keeps not
-    even its output in a compiled training step: the norm and its SiLU run under
-    ``torch.utils.checkpoint``, so backward recomputes them from the input (the statistics'
-    all-gather included) where the convolution after it would keep the output. Eager steps keep
-    it, as the model's own GroupNorm does there (that convolution keeps its input anyway)."""
+    ``forward(x, shift=None, silu=False, dropout=0.0)``, as the model's norm layer is called: a
+    per-(sample, channel) ``shift`` added first, SiLU and dropout after. A layer whose
+    ``recompute`` attribute is true (the model's choice, per layer) keeps not even its output in
+    a compiled training step: the norm and its SiLU run under ``torch.utils.checkpoint``, so
+    backward recomputes them from the input (the statistics' all-gather included) where the
+    convolution after it would keep the output. Eager steps keep it, as the model's own
+    GroupNorm does there (that convolution keeps its input anyway)."""
 
     _domain: DomainGroup
 
-    def forward(self, x, shift=None, silu=False):
+    def forward(self, x, shift=None, silu=False, dropout=0.0):
         if getattr(self, "recompute", False) and self.training and torch.compiler.is_compiling():
-            return checkpoint(self._split_norm_silu, x, shift, silu, use_reentrant=False)
-        return self._split_norm_silu(x, shift, silu)
+            y = checkpoint(self._split_norm_silu, x, shift, silu, use_reentrant=False)
+        else:
+            y = self._split_norm_silu(x, shift, silu)
+        return F.dropout(y, p=dropout, training=self.training) if dropout else y
 
     def _split_norm_silu(self, x, shift, silu):
         if shift is not None:  # one value per (sample, channel): (B, C) or (B, C, 1, 1)

@@ -36,6 +36,7 @@ import os
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from recipes.stormcast.group_stats import group_moments, input_grad_coefficients, spread
 
@@ -80,6 +81,21 @@ if triton is not None:
         return b, tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P), cs, cs < C
 
     @triton.jit
+    def _dropout(v, seed_ptr, b, ps, cs, P, p, scale, WIDE: tl.constexpr):
+        """``v`` through dropout (each value kept with probability 1 - p, scaled by 1/(1 - p)): the
+        mask is philox's, from the call's seed, counted by (element within the sample, sample),
+        so every kernel that visits an element draws the same number, whatever its tiling."""
+        seed = tl.load(seed_ptr)
+        if WIDE:
+            e = cs[None, :].to(tl.int64) * P + ps[:, None].to(tl.int64)
+            lo, hi = (e & 0xFFFFFFFF).to(tl.uint32), (e >> 32).to(tl.uint32)
+        else:  # (a sample of fewer than 2**31 elements)
+            lo = (cs[None, :] * P + ps[:, None]).to(tl.uint32)
+            hi = tl.zeros_like(lo)
+        r, _, _, _ = tl.philox(seed, lo, hi * 0 + b.to(tl.uint32), hi, tl.zeros_like(lo))
+        return tl.where(tl.random.uint_to_uniform_float(r) >= p, v * scale, 0.0)
+
+    @triton.jit
     def gn_fused_stats(
         x_ptr, mean_ptr, m2_ptr, C, P, nchunks, s_b, s_p, s_c,
         ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
@@ -110,8 +126,8 @@ if triton is not None:
 
     @triton.jit
     def gn_fused_apply(
-        x_ptr, a_ptr, c_ptr, y_ptr, C, P, s_b, s_p, s_c, o_b, o_p, o_c,
-        SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
+        x_ptr, a_ptr, c_ptr, y_ptr, C, P, s_b, s_p, s_c, o_b, o_p, o_c, seed_ptr, p, scale,
+        SILU: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         b, ps, cs, cmask = _pointwise_tile(C, BLOCK_P, BLOCK_C)
         a = tl.load(a_ptr + b * C + cs, mask=cmask, other=0.0)
@@ -120,14 +136,17 @@ if triton is not None:
         y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * a[None, :] + c[None, :]
         if SILU:
             y, _ = _silu_and_grad(y)
+        if DROPOUT:
+            y = _dropout(y, seed_ptr, b, ps, cs, P, p, scale, WIDE)
         out, _ = _tile(y_ptr, b, ps, cs, ps < P, cmask, o_b, o_p, o_c, WIDE)
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def gn_fused_grad_sums(
         g_ptr, x_ptr, a_ptr, c_ptr, r_ptr, q_ptr, s1_ptr, s2_ptr, C, P, nchunks,
-        g_b, g_p, g_c, s_b, s_p, s_c,
-        SILU: tl.constexpr, ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
+        g_b, g_p, g_c, s_b, s_p, s_c, seed_ptr, p, scale,
+        SILU: tl.constexpr, DROPOUT: tl.constexpr, ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+        WIDE: tl.constexpr,
     ):  # fmt: skip
         pid, b, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -145,6 +164,8 @@ if triton is not None:
             gptrs, _ = _tile(g_ptr, b, ps, cs, ps < P, cmask, g_b, g_p, g_c, WIDE)
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(gptrs, mask=mask, other=0.0).to(tl.float32)
+            if DROPOUT:
+                dy = _dropout(dy, seed_ptr, b, ps, cs, P, p, scale, WIDE)
             if SILU:
                 _, ds = _silu_and_grad(x * a + c)
                 dy = dy * ds
@@ -157,8 +178,8 @@ if triton is not None:
     @triton.jit
     def gn_fused_grad_apply(
         g_ptr, x_ptr, a_ptr, c_ptr, kg_ptr, kx_ptr, k0_ptr, dx_ptr, C, P,
-        g_b, g_p, g_c, s_b, s_p, s_c, o_b, o_p, o_c,
-        SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
+        g_b, g_p, g_c, s_b, s_p, s_c, o_b, o_p, o_c, seed_ptr, p, scale,
+        SILU: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         b, ps, cs, cmask = _pointwise_tile(C, BLOCK_P, BLOCK_C)
         kg = tl.load(kg_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
@@ -168,6 +189,8 @@ if triton is not None:
         gptrs, _ = _tile(g_ptr, b, ps, cs, ps < P, cmask, g_b, g_p, g_c, WIDE)
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(gptrs, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:
+            dy = _dropout(dy, seed_ptr, b, ps, cs, P, p, scale, WIDE)
         if SILU:
             a = tl.load(a_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
             c = tl.load(c_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
@@ -311,10 +334,19 @@ def _(x):
     return _partials(x, _reduction(x, "stats"))
 
 
-def _pointwise(kernel, name: str, out: torch.Tensor, x: torch.Tensor, tensors: tuple, coefficients: tuple, silu: bool):
+def _dropout_args(seed: torch.Tensor | None, p: float, fallback: torch.Tensor) -> dict:
+    """The kernels' dropout arguments: the call's seed (a 1-element int64 tensor) and rate, or
+    none (any pointer stands in for the seed: the kernel does not read it)."""
+    on = seed is not None and p > 0
+    return {"seed_ptr": seed if on else fallback, "p": float(p), "scale": 1.0 / (1.0 - p), "DROPOUT": on}
+
+
+def _pointwise(
+    kernel, name: str, out: torch.Tensor, x: torch.Tensor, tensors: tuple, coefficients: tuple, silu: bool, drop: dict
+):
     """Launch a pointwise kernel over ``x``'s (pixels x channels) tiles: its arguments are the
     ``tensors`` (flattened, then ``x`` itself), the per-channel ``coefficients``, ``out``, the
-    sizes, and every tensor's strides in that order."""
+    sizes, every tensor's strides in that order, and the dropout arguments ``drop``."""
     flat = [_flat(t) for t in (*tensors, x, out)]
     b, ch = x.shape[:2]
     pixels = math.prod(x.shape[2:])
@@ -323,18 +355,22 @@ def _pointwise(kernel, name: str, out: torch.Tensor, x: torch.Tensor, tensors: t
     grid = (triton.cdiv(pixels, block_p), b, triton.cdiv(ch, block_c))
     strides = [s for _, st in flat for s in st]
     args = [t for t, _ in flat[:-1]] + list(coefficients) + [flat[-1][0], ch, pixels, *strides]
-    kernel[grid](*args, SILU=silu, BLOCK_P=block_p, BLOCK_C=block_c, WIDE=_wide(*flat), num_warps=warps)
+    kernel[grid](*args, **drop, SILU=silu, BLOCK_P=block_p, BLOCK_C=block_c, WIDE=_wide(*flat), num_warps=warps)
     if flat[-1][0].data_ptr() != out.data_ptr():  # out's layout did not flatten: written to a copy
         out.copy_(flat[-1][0])
     return out
 
 
-def _apply(x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, silu: bool, dtype: torch.dtype) -> torch.Tensor:
-    """``x * a + c`` per (sample, channel), then SiLU if asked, in ``dtype``."""
-    return _pointwise(gn_fused_apply, "apply", torch.empty_like(x, dtype=dtype), x, (), (a, c), silu)
+def _apply(
+    x: Tensor, a: Tensor, c: Tensor, silu: bool, dtype: torch.dtype, seed: Tensor | None = None, p: float = 0.0
+) -> Tensor:
+    """``x * a + c`` per (sample, channel), then SiLU if asked, then dropout at rate ``p`` drawn
+    from ``seed`` if given, in ``dtype``."""
+    out = torch.empty_like(x, dtype=dtype)
+    return _pointwise(gn_fused_apply, "apply", out, x, (), (a, c), silu, _dropout_args(seed, p, a))
 
 
-def _apply_fake(x, a, c, silu, dtype):
+def _apply_fake(x, a, c, silu, dtype, seed=None, p=0.0):
     return torch.empty_like(x, dtype=dtype)
 
 
@@ -351,42 +387,40 @@ RECOMPUTED_OPS = ("stormcast::gn_apply_recomputed",)
 
 @torch.library.custom_op("stormcast::gn_grad_sums", mutates_args=())
 def gn_grad_sums(
-    g: torch.Tensor, x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, r: torch.Tensor, q: torch.Tensor, silu: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    g: Tensor, x: Tensor, a: Tensor, c: Tensor, r: Tensor, q: Tensor, silu: bool,
+    seed: Tensor | None = None, p: float = 0.0,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Per chunk of pixels and channel: the sums of ``dy`` and of ``dy * (x * r + q)`` (B, chunks, C),
-    ``dy`` being ``g`` through the SiLU of ``x * a + c`` when ``silu``."""
+    ``dy`` being ``g`` through the forward's dropout (``seed``, ``p``), then through the SiLU of
+    ``x * a + c`` when ``silu``."""
     geo = _reduction(x, "grad_sums")
     gf, gs = _flat(g)
     b, ch = x.shape[:2]
     s1, s2 = _partials(x, geo)
     xf, xs = _flat(x)
     args = (gf, xf, a, c, r, q, s1, s2, ch, geo.pixels, geo.nchunks, *gs, *xs)
-    _reduce(gn_fused_grad_sums, geo, b, args, SILU=silu, WIDE=_wide((gf, gs), (xf, xs)))
+    drop = _dropout_args(seed, p, a)
+    _reduce(gn_fused_grad_sums, geo, b, args, **drop, SILU=silu, WIDE=_wide((gf, gs), (xf, xs)))
     return s1, s2
 
 
 @gn_grad_sums.register_fake
-def _(g, x, a, c, r, q, silu):
+def _(g, x, a, c, r, q, silu, seed=None, p=0.0):
     return _partials(x, _reduction(x, "grad_sums"))
 
 
 @torch.library.custom_op("stormcast::gn_grad_apply", mutates_args=())
 def gn_grad_apply(
-    g: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    c: torch.Tensor,
-    kg: torch.Tensor,
-    kx: torch.Tensor,
-    k0: torch.Tensor,
-    silu: bool,
-) -> torch.Tensor:
+    g: Tensor, x: Tensor, a: Tensor, c: Tensor, kg: Tensor, kx: Tensor, k0: Tensor, silu: bool,
+    seed: Tensor | None = None, p: float = 0.0,
+) -> Tensor:  # fmt: skip
     """``dy * kg + x * kx + k0`` per (sample, channel), in ``x``'s dtype and layout (``dy`` as above)."""
-    return _pointwise(gn_fused_grad_apply, "grad_apply", torch.empty_like(x), x, (g,), (a, c, kg, kx, k0), silu)
+    drop = _dropout_args(seed, p, a)
+    return _pointwise(gn_fused_grad_apply, "grad_apply", torch.empty_like(x), x, (g,), (a, c, kg, kx, k0), silu, drop)
 
 
 @gn_grad_apply.register_fake
-def _(g, x, a, c, kg, kx, k0, silu):
+def _(g, x, a, c, kg, kx, k0, silu, seed=None, p=0.0):
     return torch.empty_like(x)
 
 
@@ -405,7 +439,9 @@ def _combine(mean_p: torch.Tensor, m2_p: torch.Tensor, pixels: int, chunk: int):
 
 class _FusedGroupNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, shift, groups: int, eps: float, silu: bool, dtype: torch.dtype, recompute: bool):
+    def forward(
+        ctx, x, weight, bias, shift, groups: int, eps: float, silu: bool, dtype: torch.dtype, recompute: bool, p: float
+    ):
         b, c = x.shape[:2]
         pixels = math.prod(x.shape[2:])
         mean_p, m2_p = gn_stats(x)
@@ -415,30 +451,33 @@ class _FusedGroupNorm(torch.autograd.Function):
         mean_g, var_g = group_moments(mean_c, var_c, groups)
         rstd_g = torch.rsqrt(var_g + eps)
         a, cc = _coefficients(spread(rstd_g, c, 0), _offset(mean_g, shift, c), weight, bias)
-        ctx.save_for_backward(x, weight, bias, shift, mean_c, mean_g, rstd_g)
-        ctx.groups, ctx.silu = groups, silu
-        return (gn_apply_recomputed if recompute else gn_apply)(x, a, cc, silu, dtype)
+        # dropout's seed, drawn from torch's generator (a compiled graph draws it on the device, CUDA
+        # graphs included); kept for backward, which draws the same mask from it
+        seed = torch.randint(2**62, (1,), device=x.device, dtype=torch.int64) if p > 0 else None
+        ctx.save_for_backward(x, weight, bias, shift, mean_c, mean_g, rstd_g, seed)
+        ctx.groups, ctx.silu, ctx.p = groups, silu, p
+        return (gn_apply_recomputed if recompute else gn_apply)(x, a, cc, silu, dtype, seed, p)
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight, bias, shift, mean_c, mean_g, rstd_g = ctx.saved_tensors
+        x, weight, bias, shift, mean_c, mean_g, rstd_g, seed = ctx.saved_tensors
         c, groups = x.shape[1], ctx.groups
         pixels = math.prod(x.shape[2:])
         r, off = spread(rstd_g, c, 0), _offset(mean_g, shift, c)
         a, cc = _coefficients(r, off, weight, bias)
-        part1, part2 = gn_grad_sums(gy, x, a, cc, r, off * r, ctx.silu)  # x_hat = x * r + off * r
+        part1, part2 = gn_grad_sums(gy, x, a, cc, r, off * r, ctx.silu, seed, ctx.p)  # x_hat = x * r + off * r
         s1, t = part1.sum(1), part2.sum(1)  # (B, C): sums of dy and of dy * x_hat
         w = weight.float().reshape(1, c) if weight is not None else torch.ones_like(s1[:1])
         n = (c // groups) * pixels
         kg, kx, k0, ga, gb = input_grad_coefficients(s1, t, w, r, off, groups, n)
-        dx = gn_grad_apply(gy, x, a, cc, kg, kx, k0, ctx.silu)
+        dx = gn_grad_apply(gy, x, a, cc, kg, kx, k0, ctx.silu, seed, ctx.p)
         dw = t.sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = s1.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         dshift = None
         if shift is not None and ctx.needs_input_grad[3]:  # the pixel sums of dx, from the sums above
             sum_xhat = pixels * (mean_c - spread(mean_g, c, 0)) * r
             dshift = (r * (w * s1 - pixels * ga - gb * sum_xhat)).to(shift.dtype)
-        return dx, dw, db, dshift, None, None, None, None, None
+        return dx, dw, db, dshift, None, None, None, None, None, None
 
 
 def _offset(mean_g, shift, c: int):
@@ -464,13 +503,19 @@ def group_norm(
     silu: bool = False,
     dtype: torch.dtype | None = None,
     recompute: bool = False,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """``F.group_norm(x + shift)``, then SiLU if ``silu``, in ``dtype`` (default ``x``'s), by the
     kernels above; statistics and arithmetic in float32. ``shift``: None or (B, C) (any shape
     of B x C elements), added to every pixel of its sample and channel. ``recompute``: the output
     comes from ``gn_apply_recomputed`` (``RECOMPUTED_OPS``), which a compiled graph recomputes in
-    backward from ``x`` and the statistics instead of keeping it (one pass over ``x``)."""
+    backward from ``x`` and the statistics instead of keeping it (one pass over ``x``). ``dropout``:
+    ``F.dropout``'s rate, applied after the SiLU inside the same kernel (its mask is drawn again
+    from a saved seed in backward and in a recomputation, never kept); its masks are not the ones
+    ``F.dropout`` would draw, only drawn alike."""
     b, c = x.shape[:2]
     if shift is not None:
         shift = shift.reshape(b, c)
-    return _FusedGroupNorm.apply(x, weight, bias, shift, groups, eps, silu, dtype or x.dtype, recompute)
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    return _FusedGroupNorm.apply(x, weight, bias, shift, groups, eps, silu, dtype or x.dtype, recompute, float(dropout))

@@ -218,21 +218,36 @@ class GroupNorm(nn.Module):
         if self.compiled_form == "auto":
             self.compiled_form = "fused" if cudagraphs else "explicit"
 
-    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, shift: torch.Tensor | None = None, silu: bool = False, dropout: float = 0.0
+    ) -> torch.Tensor:
         """GroupNorm of ``x + shift`` (``shift``: one value per sample and channel, (B, C) or
-        (B, C, 1, 1)), then SiLU if ``silu``."""
+        (B, C, 1, 1)), then SiLU if ``silu``, then dropout at rate ``dropout`` in training."""
+        p = dropout if self.training else 0.0
         # (training only: a variant's eval-mode ``normalise`` must hold, e.g. PhysicsNeMo's)
         fused = self.compiled_form == "fused" and self.training and torch.compiler.is_compiling()
         if fused and fused_norm.available(x):
-            # in the dtype the convolution after it computes in: the same values, half the bytes
+            # in the dtype the convolution after it computes in: the same values, half the bytes;
+            # the dropout inside the kernel, its mask drawn again in backward rather than kept
             out = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
             w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
             return fused_norm.group_norm(
-                x, self.num_groups, w, b, self.eps, shift=shift, silu=silu, dtype=out, recompute=self.recompute
+                x,
+                self.num_groups,
+                w,
+                b,
+                self.eps,
+                shift=shift,
+                silu=silu,
+                dtype=out,
+                recompute=self.recompute,
+                dropout=p,
             )
         if self.recompute and self.training and torch.compiler.is_compiling():
-            return checkpoint(self._norm_silu, x, shift, silu, use_reentrant=False)
-        return self._norm_silu(x, shift, silu)
+            y = checkpoint(self._norm_silu, x, shift, silu, use_reentrant=False)
+        else:
+            y = self._norm_silu(x, shift, silu)
+        return F.dropout(y, p=p) if p else y
 
     def _norm_silu(self, x: torch.Tensor, shift: torch.Tensor | None, silu: bool) -> torch.Tensor:
         if shift is not None:
@@ -531,12 +546,12 @@ class UNetBlock(nn.Module):
             if self.adaptive_scale:
                 scale, shift = params[:, :, None, None].chunk(2, dim=1)
                 x = F.silu(torch.addcmul(shift, self.norm1(x), scale + 1))
+                if self.dropout:  # (at 0 a compiled graph would still copy x and keep the copy for conv1)
+                    x = F.dropout(x, p=self.dropout, training=self.training)
             else:
-                x = self.norm1(x, shift=params, silu=True)
+                x = self.norm1(x, shift=params, silu=True, dropout=self.dropout)
         else:
-            x = self.norm1(x, silu=True)
-        if self.dropout:  # (at 0 a compiled graph would still copy x and keep the copy for conv1)
-            x = F.dropout(x, p=self.dropout, training=self.training)
+            x = self.norm1(x, silu=True, dropout=self.dropout)
         x = self.conv1(x)
         x = (x + (self.skip(orig) if self.skip is not None else orig)) * self.skip_scale
         if self.attn is not None:

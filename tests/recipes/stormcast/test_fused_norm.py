@@ -102,6 +102,60 @@ def test_every_geometry_of_the_table_computes_the_same_norm(monkeypatch, size):
     _check_against_float64("cpu", (2, 16, 40, 64), 4, True, True, True)
 
 
+def _dropout_check(device, shape, channels_last, recompute, p=0.25, dtype=torch.float32):
+    """The fused dropout against F.dropout's arithmetic with the same mask (read off the output:
+    the reference output is non-zero almost surely): kept values scaled by 1/(1-p), the input's
+    and parameters' gradients those of ``dropout(silu(norm(x + shift)))`` with that mask, about
+    ``p`` of the values dropped, a different mask per sample and per call, and the same output and
+    gradients again from the same generator state (what a recomputation relies on)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(*shape, generator=g) * 2 + 5).to(device=device, dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w, b = (torch.randn(shape[1], generator=g).to(device) for _ in range(2))
+    shift = torch.randn(shape[0], shape[1], generator=g).to(device)
+    dy = torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b, shift)]
+        y = fn(*leaves)
+        return (y.detach(), *torch.autograd.grad(y, leaves, dy))
+
+    def fused(x, w, b, shift):
+        return fused_norm.group_norm(x, 4, w, b, 1e-6, shift=shift, silu=True, recompute=recompute, dropout=p)
+
+    torch.manual_seed(11)
+    got = run(fused)
+    torch.manual_seed(11)
+    again = run(fused)
+    other = run(fused)  # the generator moved on: another seed
+    keep = got[0] != 0
+    ref = run(lambda x, w, b, shift: _reference(x, 4, w, b, 1e-6, shift, True) * keep / (1 - p))
+    for name, r, f, a in zip(("y", "dx", "dweight", "dbias", "dshift"), ref, got, again):
+        torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        assert torch.equal(f, a), name
+    dropped = 1 - keep.float().mean().item()
+    assert abs(dropped - p) < 0.05, dropped
+    assert not torch.equal(keep, other[0] != 0)
+    assert not torch.equal(keep[0], keep[1])  # samples draw their own masks
+    if channels_last:
+        assert got[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@interpreted
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_fused_dropout_is_a_dropout_of_the_norm_with_one_mask_in_both_passes(channels_last, recompute):
+    _dropout_check("cpu", (2, 16, 24, 20), channels_last, recompute)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_fused_dropout_on_gpu(recompute):
+    _dropout_check("cuda", (4, 64, 96, 80), True, recompute)
+
+
 @interpreted
 def test_fused_group_norm_takes_any_layout_and_writes_the_asked_dtype():
     """A view whose pixels do not merge into one stride (a crop) is read correctly, and the output

@@ -416,6 +416,39 @@ def test_recomputed_norms_keep_less_for_backward_and_train_alike(form, monkeypat
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_fused_dropout_keeps_no_mask_and_recomputes_the_same_one():
+    """The fused form draws the block's dropout (after norm1's SiLU) inside the norm's kernel: a
+    compiled block keeps nothing more for backward than without dropout (no mask, no second copy
+    of conv1's input), and with its norms recomputed it draws the same mask again (same
+    gradients), keeping only the norms' inputs."""
+    from framework.train.compile import RecomputeOps, recomputed_ops
+    from recipes.stormcast import fused_norm
+
+    if not fused_norm.available(torch.empty(1, 1, 1)):
+        pytest.skip("the fused kernels need Triton (on CPU: its interpreter, TRITON_INTERPRET=1)")
+    options = {"joint_custom_pre_pass": RecomputeOps(fused_norm.RECOMPUTED_OPS)}
+    compile_fn = partial(torch.compile, backend="inductor", fullgraph=True, options=options)
+    results = {}
+    for dropout, recompute in ((0.0, False), (0.25, False), (0.25, True)):
+        torch.manual_seed(0)
+        block = UNetBlock(16, 8, emb_channels=32, eps=1e-6, dropout=dropout)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        layers.set_compiled_form(block, "fused")
+        assert recomputed_ops(block) == fused_norm.RECOMPUTED_OPS
+        for m in block.modules():
+            if isinstance(m, layers.GroupNorm):
+                m.recompute = recompute
+        torch._dynamo.reset()
+        results[dropout, recompute] = _saved_and_grads(block, compile_fn)
+    torch._dynamo.reset()
+    (plain, _), (kept, want), (recomputed, got) = results.values()
+    assert kept == plain and recomputed == 2 * (16 + 8) * 8 * 8 < kept, (plain, kept, recomputed)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(results[0.0, False][1][0], want[0])  # the dropout did act
+
+
 @pytest.mark.parametrize("filename", ["songunet.py", "layers.py", "fused_norm.py", "group_stats.py"])
 def test_model_code_does_not_import_framework(filename):
     tree = ast.parse((STORMCAST_DIR / filename).read_text())
