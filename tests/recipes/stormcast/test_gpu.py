@@ -73,7 +73,7 @@ def test_two_gpus_log_the_losses_of_one(stage1, layout):  # noqa: F811
 # -- trainer.compile (framework.train.compile) with inductor on CUDA ------------------------------
 
 
-def _tiny_songunet(seed=0):
+def _tiny_songunet(seed=0, dropout=0.0):
     from recipes.stormcast.songunet import SongUNet
 
     torch.manual_seed(seed)
@@ -85,7 +85,7 @@ def _tiny_songunet(seed=0):
         channel_mult=[1, 2, 2],
         num_blocks=2,
         attn_resolutions=[8],
-        dropout=0.0,
+        dropout=dropout,
         embedding_type="zero",
     )
     for p in m.parameters():  # the near-zero output conv would hide differences
@@ -173,6 +173,28 @@ def test_cuda_graphs_train_like_eager_on_gpu(micro, monkeypatch):
     assert tree is not None and tree.roots, "no graph was recorded"
     for la, lb in zip(a, b):
         assert abs(la - lb) <= 1e-4 * abs(la), (a, b)
+
+
+def test_fused_dropout_under_cuda_graphs_draws_new_masks_each_step_on_gpu(monkeypatch):
+    """The preset's dropout drawn inside the fused norm, the blocks replayed as CUDA graphs: every
+    graph captured, no graph break, a new mask at each replay (the same batch twice gives two
+    outputs), and training stays finite."""
+    from framework.train.compile import compile_model
+
+    torch._dynamo.reset()
+    model = _tiny_songunet(dropout=0.1)
+    c = compile_model(model, device_type="cuda", cudnn_benchmark=False, cudagraphs=True)
+    losses = _train(model, 4, torch.float32)
+    s = c.stats()
+    assert c.cudagraphs and s["graph_breaks"] == 0 and s["cudagraph_skips"] == 0, s
+    assert all(np.isfinite(losses)), losses
+    x = torch.randn(4, 5, 32, 48, device="cuda")
+    outs = []
+    for _ in range(2):
+        y = model(x)
+        outs.append(y.detach().clone())
+        y.square().mean().backward()
+    assert not torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize(
