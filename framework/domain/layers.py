@@ -45,7 +45,9 @@ class GroupNormMixin:
     a compiled training step: the norm and its SiLU run under ``torch.utils.checkpoint``, so
     backward recomputes them from the input (the statistics' all-gather included) where the
     convolution after it would keep the output. Eager steps keep it, as the model's own
-    GroupNorm does there (that convolution keeps its input anyway)."""
+    GroupNorm does there (that convolution keeps its input anyway). A dropout runs after the
+    checkpoint (a random draw inside it would have to be replayed), so with one the convolution
+    keeps the dropout's output and recomputing frees little."""
 
     _domain: DomainGroup
 

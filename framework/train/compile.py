@@ -382,9 +382,13 @@ def compile_model(
         # buffers (the conv inputs) NCHW, so cuDNN transposed in and out of every conv.
         options.setdefault("force_layout_optimization", True)
     recomputed = recomputed_ops(model)
-    if recomputed and backend == "inductor":
+    if backend == "inductor":
         if options.get("joint_custom_pre_pass") is not None:
-            log.warning("compile: options hold a joint_custom_pre_pass; %s not marked for recompute", recomputed)
+            log.warning(
+                "compile: options hold a joint_custom_pre_pass; %s not marked for recompute, random inputs of "
+                "custom ops not marked saved",
+                recomputed,
+            )
         else:
             options["joint_custom_pre_pass"] = RecomputeOps(recomputed)
     replay = cudagraphs and device_type == "cuda" and backend == "inductor"
@@ -469,9 +473,15 @@ class RecomputeOps(CustomGraphPass):
     their outputs in backward from their inputs, whatever the memory budget (at budget 1 it would
     keep them; below 1 its knapsack counts custom ops as free, so it recomputes all or none).
     A layer picks where by which op it calls (a GroupNorm of chosen levels, for instance).
+
+    It also marks must-save every random draw (an op tagged ``nondeterministic_seeded``) that a
+    custom op reads, e.g. the seed of a kernel drawing its own dropout mask: below budget 1 the
+    partitioner counts a seed as free to recompute and would draw a new one in backward, whose
+    gradients would then belong to another mask than the forward's (its own random ops it keeps
+    by name; a custom op's inputs it cannot know).
     Picklable, and named in the compiled graphs' cache keys through ``uuid``."""
 
-    VERSION = 1
+    VERSION = 2
 
     def __init__(self, names):
         self.names = tuple(sorted(names))
@@ -481,11 +491,21 @@ class RecomputeOps(CustomGraphPass):
 
         for node in graph.nodes:
             op = node.target
-            if node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op._schema.name in self.names:
+            if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+                continue
+            if op._schema.name in self.names:
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            if op.namespace not in ("aten", "prims"):  # a custom op: opaque to the partitioner
+                for arg in node.all_input_nodes:
+                    if isinstance(arg.target, torch._ops.OpOverload) and _random(arg.target):
+                        arg.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
     def uuid(self):
         return f"framework.RecomputeOps.v{self.VERSION}:{','.join(self.names)}"
+
+
+def _random(op) -> bool:
+    return torch.Tag.nondeterministic_seeded in op.tags
 
 
 def named_regions(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

@@ -194,6 +194,22 @@ def test_the_recompute_pass_reaches_inductor_and_its_workers():
     assert marked["stormcast.gn_apply_recomputed.default"] == CheckpointPolicy.MUST_RECOMPUTE, marked
     assert marked["stormcast.gn_apply.default"] is None and marked["<built-in function add>"] is None, marked
 
+    # a custom op's random input (its dropout seed) is kept, an aten op's is not
+    g = torch.fx.Graph()
+    x, a = g.placeholder("x"), g.placeholder("a")
+    seed = g.call_function(torch.ops.aten.randint.low, (0, 2**62, [1]), {"dtype": torch.int64})
+    noise = g.call_function(torch.ops.aten.rand.default, ([1],))
+    y = g.call_function(torch.ops.stormcast.gn_apply.default, (x, a, a, True, torch.float32, seed, 0.5))
+    g.output((y, g.call_function(torch.ops.aten.mul.Tensor, (a, noise))))
+    p(g)
+    marked = {str(n.target): n.meta.get("recompute") for n in g.nodes if n.op == "call_function"}
+    assert marked["aten.randint.low"] == CheckpointPolicy.MUST_SAVE, marked
+    assert marked["aten.rand.default"] is None, marked
+    # installed for any inductor compile (a model naming no op still needs its random inputs kept)
+    bare = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    c = compile_model(bare, units=["Linear"], device_type="cpu", backend="inductor")
+    assert c.compile_kwargs["options"]["joint_custom_pre_pass"].names == ()
+
 
 def test_cuda_graphs_apply_where_parameters_stay_put():
     """trainer.compile_cudagraphs: null turns them on for CUDA under sharding=none (measured there),

@@ -149,6 +149,20 @@ def test_fused_dropout_is_a_dropout_of_the_norm_with_one_mask_in_both_passes(cha
     _dropout_check("cpu", (2, 16, 24, 20), channels_last, recompute)
 
 
+@interpreted
+def test_fused_dropout_draws_the_same_mask_with_64_bit_offsets(monkeypatch):
+    """The kernels' 64-bit path (samples of 2**31 elements or more, forced here on a small one, with
+    a partial last tile) counts the elements as the 32-bit path does."""
+    x = torch.randn(2, 12, 13, 11).contiguous(memory_format=torch.channels_last)
+    outs = []
+    for wide in (False, True):
+        monkeypatch.setattr(fused_norm, "_wide", lambda *flat, w=wide: w)
+        torch.manual_seed(5)
+        outs.append(fused_norm.group_norm(x, 4, None, None, 1e-6, silu=True, dropout=0.5))
+    assert torch.equal(outs[0], outs[1])
+    _dropout_check("cpu", (2, 12, 13, 11), True, False)
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])

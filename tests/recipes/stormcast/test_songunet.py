@@ -449,6 +449,51 @@ def test_fused_dropout_keeps_no_mask_and_recomputes_the_same_one():
     assert not torch.allclose(results[0.0, False][1][0], want[0])  # the dropout did act
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_fused_dropout_gradients_follow_the_forwards_mask_below_budget_1(recompute, monkeypatch):
+    """At the presets' memory budget (0.7) the partitioner would redraw a free-looking seed in
+    backward; the framework's pass keeps it, so the gradients are those of the mask the forward
+    drew (read off the norm's output), kept or recomputed."""
+    import torch._functorch.config as functorch_config
+
+    from framework.train.compile import RecomputeOps
+    from recipes.stormcast import fused_norm
+    from tests.recipes.stormcast.test_fused_norm import _reference
+
+    if not fused_norm.available(torch.empty(1, 1, 1)):
+        pytest.skip("the fused kernels need Triton (on CPU: its interpreter, TRITON_INTERPRET=1)")
+    monkeypatch.setattr(functorch_config, "activation_memory_budget", 0.7)
+
+    def step(norm):
+        def f(x, w, b, shift, k):
+            y = norm(x, w, b, shift)
+            return torch.nn.functional.conv2d(y, k, padding=1), y
+
+        return f
+
+    def fused(x, w, b, shift):
+        return fused_norm.group_norm(x, 4, w, b, 1e-6, shift=shift, silu=True, recompute=recompute, dropout=0.25)
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, 8, 8, generator=g) * 2 + 5
+    w, b, shift = torch.randn(16, generator=g), torch.randn(16, generator=g), torch.randn(2, 16, generator=g)
+    k, dy = torch.randn(16, 16, 3, 3, generator=g) * 0.1, torch.randn(2, 16, 8, 8, generator=g)
+    options = {"joint_custom_pre_pass": RecomputeOps(fused_norm.RECOMPUTED_OPS)}
+    torch._dynamo.reset()
+    compiled = torch.compile(step(fused), backend="inductor", fullgraph=True, options=options)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, shift, k)]
+    out, y = compiled(*leaves)
+    got = torch.autograd.grad(out, leaves, dy)
+    torch._dynamo.reset()
+    keep = y.detach() != 0
+    want_leaves = [t.clone().requires_grad_() for t in (x, w, b, shift, k)]
+    want_out, _ = step(lambda x, w, b, s: _reference(x, 4, w, b, 1e-6, s, True) * keep / 0.75)(*want_leaves)
+    want = torch.autograd.grad(want_out, want_leaves, dy)
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+    for name, a, r in zip(("x", "weight", "bias", "shift", "kernel"), got, want):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("filename", ["songunet.py", "layers.py", "fused_norm.py", "group_stats.py"])
 def test_model_code_does_not_import_framework(filename):
     tree = ast.parse((STORMCAST_DIR / filename).read_text())
