@@ -92,7 +92,8 @@ if triton is not None:
         else:  # (a sample of fewer than 2**31 elements)
             lo = (cs[None, :] * P + ps[:, None]).to(tl.uint32)
             hi = tl.zeros_like(lo)
-        r, _, _, _ = tl.philox(seed, lo, hi * 0 + b.to(tl.uint32), hi, tl.zeros_like(lo))
+        zero = tl.zeros_like(lo)
+        r, _, _, _ = tl.philox(seed, lo, zero + b.to(tl.uint32), hi, zero)
         return tl.where(tl.random.uint_to_uniform_float(r) >= p, v * scale, 0.0)
 
     @triton.jit
