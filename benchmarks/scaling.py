@@ -550,7 +550,9 @@ def main(argv=None) -> None:
     ap.add_argument("--height", type=int, default=512)
     ap.add_argument("--width", type=int, default=640)
     ap.add_argument("--compile", action="store_true", help="worker: trainer.compile=true; driver: compiled only")
-    ap.add_argument("--modes", default="eager,compiled", help="driver: eager, compiled or both, side by side")
+    ap.add_argument(
+        "--modes", default="eager,compiled", help="driver: comma list of eager, compiled (default: both, side by side)"
+    )
     ap.add_argument(
         "--layouts",
         default=None,
@@ -597,6 +599,8 @@ def main(argv=None) -> None:
     if args.mode == "domain":
         return domain_table(args)
     modes = ["compiled"] if args.compile else [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"eager", "compiled"}:
+        ap.error(f"--modes {args.modes!r}: expected a comma list of eager, compiled")
     layouts = args.layouts.split(",") if args.layouts else ["none"] + (["ddp", "fsdp2"] if args.gpus > 1 else [])
     runs = []
     for layout in layouts:
