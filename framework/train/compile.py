@@ -46,7 +46,9 @@ may come from someone else (a shared or copied run), so the cache must be a dire
 this user can write to or swap (``private_dir``). With a warm cache dynamo still traces: an
 8 s first step on an H200, against 143-216 s cold for the regression preset. For moving
 caches between machines torch has the portable "mega-cache"
-(``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``).
+(``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``). The cache keys carry a
+digest of the custom ops the model's code registers (``custom_ops_tag``): an upgrade that changes
+one compiles afresh instead of loading graphs that call it the old way.
 """
 
 from __future__ import annotations
@@ -293,6 +295,34 @@ def use_caches() -> None:
     compat.stable_cache_keys()
     if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
         functorch_config.autograd_cache_allow_custom_autograd_functions = True
+    torch.compiler.config.cache_key_tag = custom_ops_tag()
+
+
+def custom_ops_tag() -> str:
+    """``torch.compiler.config.cache_key_tag`` for this process: the user's
+    ``TORCH_COMPILE_CACHE_KEY_TAG``, and a digest of the custom ops registered outside torch (each
+    one's name, schema and defining module's source). Inductor's cache keys a graph by its code,
+    which names a custom op but not its signature: a cached graph written against an op's old
+    schema (an upgrade of the model's code) would call it with arguments it no longer takes, or
+    expect outputs of another shape. The precompile workers take the training process's tag (a
+    worker may import fewer of the recipes' modules)."""
+    import hashlib
+    import sys
+
+    from torch._library import custom_ops
+
+    digest = hashlib.sha256()
+    for name, opdef in sorted(custom_ops.OPDEFS.items()):
+        module = getattr(getattr(opdef, "_init_fn", None), "__module__", None) or ""
+        if module == "torch" or module.startswith("torch."):
+            continue
+        namespace, op = name.split("::", 1)
+        digest.update(f"{name}|{getattr(getattr(torch.ops, namespace), op).default._schema}|".encode())
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if path and os.path.exists(path):
+            digest.update(Path(path).read_bytes())
+    user = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
+    return f"{user}+ops-{digest.hexdigest()[:16]}" if user else f"ops-{digest.hexdigest()[:16]}"
 
 
 def _wants_channels_last(units: list, device_type: str) -> bool:

@@ -148,6 +148,7 @@ def global_flags() -> dict:
         "cudnn_tf32": torch.backends.cudnn.allow_tf32,  # torch without fp32_precision
         "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
         "matmul_precision": torch.get_float32_matmul_precision(),
+        "cache_key_tag": torch.compiler.config.cache_key_tag,  # framework.train.compile.custom_ops_tag
     }
 
 
@@ -163,6 +164,7 @@ def _apply_flags(flags: dict) -> None:
         backend = _backend(path)
         if backend is not None and backend.fp32_precision != value:
             backend.fp32_precision = value
+    torch.compiler.config.cache_key_tag = flags["cache_key_tag"]
 
 
 def _make(meta: Any, settings: Settings, generator: torch.Generator, channels_last: bool) -> Any:

@@ -10,6 +10,9 @@ backend="eager" (dynamo only), which is what decides both counts.
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -199,7 +202,8 @@ def test_the_recompute_pass_reaches_inductor_and_its_workers():
     x, a = g.placeholder("x"), g.placeholder("a")
     seed = g.call_function(torch.ops.aten.randint.low, (0, 2**62, [1]), {"dtype": torch.int64})
     noise = g.call_function(torch.ops.aten.rand.default, ([1],))
-    y = g.call_function(torch.ops.stormcast.gn_apply.default, (x, a, a, True, torch.float32, seed, 0.5))
+    mask = g.call_function(torch.ops.stormcast.gn_dropout_mask.default, (seed, 2, 8, 16, 0.5))
+    y = g.call_function(torch.ops.stormcast.gn_apply.default, (x, a, a, True, torch.float32, mask, 0.5))
     g.output((y, g.call_function(torch.ops.aten.mul.Tensor, (a, noise))))
     p(g)
     marked = {str(n.target): n.meta.get("recompute") for n in g.nodes if n.op == "call_function"}
@@ -696,3 +700,38 @@ def test_the_compile_cache_is_the_users_own_never_the_run_dirs(monkeypatch, tmp_
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(mine))
     compile_model(_model(), device_type="cpu", backend="eager", cache_dir=cache)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(mine)
+
+
+_OP_VERSIONS = {"1": "seed", "2": "mask"}  # an argument's name before and after an upgrade of the op
+_UPGRADED_OP = """
+import sys, torch
+from typing import Optional
+from framework.train.compile import use_caches
+name = {names!r}[sys.argv[1]]
+exec(f"def scale(x: torch.Tensor, {{name}}: Optional[torch.Tensor] = None, p: float = 0.0) -> torch.Tensor:"
+     "    return x * (1 + p)")
+op = torch.library.custom_op("cachetagtest::scale", scale, mutates_args=())
+op.register_fake(lambda x, *rest: torch.empty_like(x))
+if sys.argv[2] == "tagged":
+    use_caches()
+f = torch.compile(lambda x: torch.ops.cachetagtest.scale(x.sin(), None, 0.0) + 1, backend="inductor")
+print(f(torch.ones(3)).tolist())
+"""
+
+
+def test_a_custom_ops_new_schema_compiles_afresh_instead_of_loading_the_old_graph(tmp_path):
+    """Inductor's cache keys a graph by its code, which names a custom op but not its schema: a
+    graph cached against an op's old signature, loaded after an upgrade, called it with an
+    argument it no longer takes. ``use_caches`` puts a digest of the custom ops into the key."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(root)}
+    script = _UPGRADED_OP.format(names=_OP_VERSIONS)
+    for version in ("1", "2"):
+        out = subprocess.run(
+            [sys.executable, "-c", script, version, "tagged"], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert json.loads(out.stdout) == pytest.approx([math.sin(1) + 1] * 3), out.stdout

@@ -350,9 +350,19 @@ def test_recompute_norm_levels_mark_only_the_norms_of_those_levels():
         SongUNetConfig(channel_mult=[1, 2], recompute_norm_levels=[0, 2])
 
 
-def _saved_and_grads(block, compile_fn):
+def _inductor(options: dict):
+    """torch.compile with inductor as the framework sets it up (its cache settings: a custom op's
+    new schema is a new cache key) with these inductor options."""
+    from framework.train.compile import use_caches
+
+    use_caches()
+    return partial(torch.compile, backend="inductor", fullgraph=True, options=options)
+
+
+def _saved_and_grads(block, compile_fn, masks: dict | None = None):
     """(elements of the distinct activations (8 x 8 pixels) the step kept for backward, the input's
-    and the parameters' gradients)."""
+    and the parameters' gradients); the bytes of the byte tensors kept (dropout's masks) go into
+    ``masks``."""
     torch.manual_seed(1)
     x = torch.randn(2, 16, 8, 8, requires_grad=True)
     emb, grad = torch.randn(2, 32), torch.randn(2, 8, 8, 8)
@@ -360,8 +370,10 @@ def _saved_and_grads(block, compile_fn):
     saved = {}
 
     def pack(t):
-        if t.is_floating_point() and t.dim() == 4 and t.shape[2:] == (8, 8):  # (not dropout's mask)
+        if t.is_floating_point() and t.dim() == 4 and t.shape[2:] == (8, 8):
             saved[t.untyped_storage().data_ptr()] = t.numel()
+        elif t.dtype == torch.uint8 and masks is not None:
+            masks[t.untyped_storage().data_ptr()] = t.numel()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -396,7 +408,7 @@ def test_recomputed_norms_keep_less_for_backward_and_train_alike(form, monkeypat
         compile_fn = partial(torch.compile, backend="aot_eager", fullgraph=True)
     else:
         options = {"joint_custom_pre_pass": RecomputeOps(recomputed_ops(block))}
-        compile_fn = partial(torch.compile, backend="inductor", fullgraph=True, options=options)
+        compile_fn = _inductor(options)
     results = []
     for recompute in (False, True):
         torch._dynamo.reset()
@@ -416,19 +428,19 @@ def test_recomputed_norms_keep_less_for_backward_and_train_alike(form, monkeypat
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_fused_dropout_keeps_no_mask_and_recomputes_the_same_one():
-    """The fused form draws the block's dropout (after norm1's SiLU) inside the norm's kernel: a
-    compiled block keeps nothing more for backward than without dropout (no mask, no second copy
-    of conv1's input), and with its norms recomputed it draws the same mask again (same
-    gradients), keeping only the norms' inputs."""
+def test_fused_dropout_keeps_a_bit_mask_and_recomputes_the_same_output():
+    """The fused form applies the block's dropout (after norm1's SiLU) inside the norm's kernel: a
+    compiled block keeps nothing more for backward than without dropout but the mask's bits (no
+    byte mask, no second copy of conv1's input), and with its norms recomputed it applies the same
+    mask again (same gradients), keeping only the norms' inputs and the bits."""
     from framework.train.compile import RecomputeOps, recomputed_ops
     from recipes.stormcast import fused_norm
 
     if not fused_norm.available(torch.empty(1, 1, 1)):
         pytest.skip("the fused kernels need Triton (on CPU: its interpreter, TRITON_INTERPRET=1)")
     options = {"joint_custom_pre_pass": RecomputeOps(fused_norm.RECOMPUTED_OPS)}
-    compile_fn = partial(torch.compile, backend="inductor", fullgraph=True, options=options)
-    results = {}
+    compile_fn = _inductor(options)
+    results, masks = {}, {}
     for dropout, recompute in ((0.0, False), (0.25, False), (0.25, True)):
         torch.manual_seed(0)
         block = UNetBlock(16, 8, emb_channels=32, eps=1e-6, dropout=dropout)
@@ -440,10 +452,13 @@ def test_fused_dropout_keeps_no_mask_and_recomputes_the_same_one():
             if isinstance(m, layers.GroupNorm):
                 m.recompute = recompute
         torch._dynamo.reset()
-        results[dropout, recompute] = _saved_and_grads(block, compile_fn)
+        masks[dropout, recompute] = {}
+        results[dropout, recompute] = _saved_and_grads(block, compile_fn, masks[dropout, recompute])
     torch._dynamo.reset()
     (plain, _), (kept, want), (recomputed, got) = results.values()
     assert kept == plain and recomputed == 2 * (16 + 8) * 8 * 8 < kept, (plain, kept, recomputed)
+    # norm1's 8 channels: one byte per (sample, pixel)
+    assert [sum(m.values()) for m in masks.values()] == [0, 2 * 8 * 8, 2 * 8 * 8], masks
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(results[0.0, False][1][0], want[0])  # the dropout did act
@@ -480,7 +495,7 @@ def test_fused_dropout_gradients_follow_the_forwards_mask_below_budget_1(recompu
     k, dy = torch.randn(16, 16, 3, 3, generator=g) * 0.1, torch.randn(2, 16, 8, 8, generator=g)
     options = {"joint_custom_pre_pass": RecomputeOps(fused_norm.RECOMPUTED_OPS)}
     torch._dynamo.reset()
-    compiled = torch.compile(step(fused), backend="inductor", fullgraph=True, options=options)
+    compiled = _inductor(options)(step(fused))
     leaves = [t.clone().requires_grad_() for t in (x, w, b, shift, k)]
     out, y = compiled(*leaves)
     got = torch.autograd.grad(out, leaves, dy)
