@@ -81,48 +81,27 @@ if triton is not None:
         return b, tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P), cs, cs < C
 
     @triton.jit
-    def gn_fused_dropout_mask(
-        seed_ptr, m_ptr, G, P, threshold, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, WIDE: tl.constexpr
-    ):
-        """The dropout mask of a (B, C, P) activation: per (sample, pixel, group of 8 channels) a
-        byte whose bit k keeps channel 8 * group + k, stored (B, P, G). Numbers from philox, from
-        the call's seed, counted by (pixel, group, sample): one call gives 8 16-bit numbers, one per
-        channel of its group, and a value is kept when its number is at least ``threshold``."""
-        b = tl.program_id(1)
-        ps = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-        gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
+    def _dropout(v, seed_ptr, b, ps, c0, P, threshold, scale, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+        """``v`` (a tile of channels ``c0 ..``) through dropout: each value kept with probability
+        1 - p, scaled by 1/(1 - p). The mask is philox's, from the call's seed, counted by (pixel,
+        group of 8 channels, sample), so every kernel that visits an element draws the same number,
+        whatever its tiling (BLOCK_C a power of two >= 8). One philox call gives 8 16-bit numbers,
+        one per channel of its group: philox's 10 rounds per element took most of the kernels' time.
+        A value is kept when its number is at least ``threshold`` = p * 2**16, rounded."""
+        seed = tl.load(seed_ptr)
+        groups = c0 // 8 + tl.arange(0, BLOCK_C // 8)
         if WIDE:
-            e = gs[None, :].to(tl.int64) * P + ps[:, None].to(tl.int64)
+            e = groups[None, :].to(tl.int64) * P + ps[:, None].to(tl.int64)
             lo, hi = (e & 0xFFFFFFFF).to(tl.uint32), (e >> 32).to(tl.uint32)
-            out = b.to(tl.int64) * P * G + ps[:, None].to(tl.int64) * G + gs[None, :]
         else:  # (a sample of fewer than 2**31 elements)
-            lo = (gs[None, :] * P + ps[:, None]).to(tl.uint32)
+            lo = (groups[None, :] * P + ps[:, None]).to(tl.uint32)
             hi = tl.zeros_like(lo)
-            out = b.to(tl.int64) * P * G + (ps[:, None] * G + gs[None, :])
         zero = tl.zeros_like(lo)
-        r0, r1, r2, r3 = tl.philox(tl.load(seed_ptr), lo, zero + b.to(tl.uint32), hi, zero)
-        bits = ((r0 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int32)
-        bits |= ((r0 >> 16).to(tl.int32) >= threshold).to(tl.int32) << 1
-        bits |= ((r1 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int32) << 2
-        bits |= ((r1 >> 16).to(tl.int32) >= threshold).to(tl.int32) << 3
-        bits |= ((r2 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int32) << 4
-        bits |= ((r2 >> 16).to(tl.int32) >= threshold).to(tl.int32) << 5
-        bits |= ((r3 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int32) << 6
-        bits |= ((r3 >> 16).to(tl.int32) >= threshold).to(tl.int32) << 7
-        tl.store(m_ptr + out, bits.to(tl.uint8), mask=(ps < P)[:, None] & (gs < G)[None, :])
-
-    @triton.jit
-    def _dropout(v, m_ptr, b, ps, cs, mask, C, P, scale, WIDE: tl.constexpr):
-        """``v`` (a tile of pixels ``ps`` x channels ``cs``) through the dropout mask at ``m_ptr``
-        (``gn_fused_dropout_mask``'s): kept values scaled by ``scale``, the others zero. Eight
-        channels read one byte (one load of it per warp)."""
-        G = (C + 7) // 8
-        if WIDE:
-            off = b.to(tl.int64) * P * G + ps[:, None].to(tl.int64) * G + (cs // 8)[None, :]
-        else:
-            off = b.to(tl.int64) * P * G + (ps[:, None] * G + (cs // 8)[None, :])
-        bits = tl.load(m_ptr + off, mask=mask, other=0).to(tl.int32)
-        return tl.where(((bits >> (cs % 8)[None, :]) & 1) != 0, v * scale, 0.0)
+        r0, r1, r2, r3 = tl.philox(seed, lo, zero + b.to(tl.uint32), hi, zero)
+        # channel 8 * group + 2 * k + h gets half h of r_k
+        words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+        numbers = tl.interleave(words & 0xFFFF, words >> 16).to(tl.int32)
+        return tl.where(numbers >= threshold, v * scale, 0.0)
 
     @triton.jit
     def gn_fused_stats(
@@ -155,7 +134,7 @@ if triton is not None:
 
     @triton.jit
     def gn_fused_apply(
-        x_ptr, a_ptr, c_ptr, y_ptr, C, P, s_b, s_p, s_c, o_b, o_p, o_c, m_ptr, scale,
+        x_ptr, a_ptr, c_ptr, y_ptr, C, P, s_b, s_p, s_c, o_b, o_p, o_c, seed_ptr, threshold, scale,
         SILU: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         b, ps, cs, cmask = _pointwise_tile(C, BLOCK_P, BLOCK_C)
@@ -166,14 +145,14 @@ if triton is not None:
         if SILU:
             y, _ = _silu_and_grad(y)
         if DROPOUT:
-            y = _dropout(y, m_ptr, b, ps, cs, mask, C, P, scale, WIDE)
+            y = _dropout(y, seed_ptr, b, ps, tl.program_id(2) * BLOCK_C, P, threshold, scale, BLOCK_C, WIDE)
         out, _ = _tile(y_ptr, b, ps, cs, ps < P, cmask, o_b, o_p, o_c, WIDE)
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def gn_fused_grad_sums(
         g_ptr, x_ptr, a_ptr, c_ptr, r_ptr, q_ptr, s1_ptr, s2_ptr, C, P, nchunks,
-        g_b, g_p, g_c, s_b, s_p, s_c, m_ptr, scale,
+        g_b, g_p, g_c, s_b, s_p, s_c, seed_ptr, threshold, scale,
         SILU: tl.constexpr, DROPOUT: tl.constexpr, ITERS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
         WIDE: tl.constexpr,
     ):  # fmt: skip
@@ -194,7 +173,7 @@ if triton is not None:
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(gptrs, mask=mask, other=0.0).to(tl.float32)
             if DROPOUT:
-                dy = _dropout(dy, m_ptr, b, ps, cs, mask, C, P, scale, WIDE)
+                dy = _dropout(dy, seed_ptr, b, ps, cb * BLOCK_C, P, threshold, scale, BLOCK_C, WIDE)
             if SILU:
                 _, ds = _silu_and_grad(x * a + c)
                 dy = dy * ds
@@ -207,7 +186,7 @@ if triton is not None:
     @triton.jit
     def gn_fused_grad_apply(
         g_ptr, x_ptr, a_ptr, c_ptr, kg_ptr, kx_ptr, k0_ptr, dx_ptr, C, P,
-        g_b, g_p, g_c, s_b, s_p, s_c, o_b, o_p, o_c, m_ptr, scale,
+        g_b, g_p, g_c, s_b, s_p, s_c, o_b, o_p, o_c, seed_ptr, threshold, scale,
         SILU: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         b, ps, cs, cmask = _pointwise_tile(C, BLOCK_P, BLOCK_C)
@@ -219,7 +198,7 @@ if triton is not None:
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(gptrs, mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:
-            dy = _dropout(dy, m_ptr, b, ps, cs, mask, C, P, scale, WIDE)
+            dy = _dropout(dy, seed_ptr, b, ps, tl.program_id(2) * BLOCK_C, P, threshold, scale, BLOCK_C, WIDE)
         if SILU:
             a = tl.load(a_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
             c = tl.load(c_ptr + b * C + cs, mask=cmask, other=0.0)[None, :]
@@ -284,7 +263,7 @@ def _blocks(channels: int, channels_fast: bool, elements: int) -> tuple[int, int
     """(BLOCK_P, BLOCK_C) for a tile of about ``elements``: wide in channels when they are the
     contiguous dim (channels-last), wide in pixels otherwise."""
     cp = triton.next_power_of_2(channels)
-    block_c = min(cp, 256 if channels_fast else 8)
+    block_c = max(8, min(cp, 256 if channels_fast else 8))  # >= 8: the dropout's channel groups
     return max(1, elements // block_c), block_c
 
 
@@ -363,45 +342,20 @@ def _(x):
     return _partials(x, _reduction(x, "stats"))
 
 
+def _dropout_args(seed: torch.Tensor | None, p: float, fallback: torch.Tensor) -> dict:
+    """The kernels' dropout arguments: the call's seed (a 1-element int64 tensor) and rate, or
+    none (any pointer stands in for the seed: the kernel does not read it)."""
+    on = seed is not None and p > 0
+    threshold = dropout_threshold(p)
+    scale = 2.0**16 / (2**16 - threshold)
+    return {"seed_ptr": seed if on else fallback, "threshold": threshold, "scale": scale, "DROPOUT": on}
+
+
 def dropout_threshold(p: float) -> int:
-    """The mask kernel's 16-bit threshold for rate ``p``: it drops exactly ``threshold / 2**16`` of
+    """The kernels' 16-bit threshold for rate ``p``: they drop exactly ``threshold / 2**16`` of
     the values on average (``p`` within 2**-17; the kept ones are scaled by the inverse of the
     rest, so the expectation is exact)."""
     return min(round(p * 2**16), 2**16 - 1)
-
-
-@torch.library.custom_op("stormcast::gn_dropout_mask", mutates_args=())
-def gn_dropout_mask(seed: Tensor, batch: int, channels: int, pixels: int, p: float) -> Tensor:
-    """The dropout mask, at rate ``p``, of a (batch, channels, pixels) activation, drawn from
-    ``seed`` (a 1-element int64 tensor): (batch, pixels, ceil(channels / 8)) bytes, bit k of byte g
-    keeping channel 8 * g + k. Drawn once per call; every kernel that applies it reads it."""
-    groups = triton.cdiv(channels, 8)
-    out = torch.empty(batch, pixels, groups, dtype=torch.uint8, device=seed.device)
-    block_g = min(triton.next_power_of_2(groups), 32)
-    block_p = 1024 // block_g
-    grid = (triton.cdiv(pixels, block_p), batch, triton.cdiv(groups, block_g))
-    wide = _mask_wide(groups, pixels)
-    gn_fused_dropout_mask[grid](
-        seed, out, groups, pixels, dropout_threshold(p), BLOCK_P=block_p, BLOCK_G=block_g, WIDE=wide, num_warps=4
-    )
-    return out
-
-
-def _mask_wide(groups: int, pixels: int) -> bool:
-    """Whether a sample's mask has 2**31 bytes or more: the mask kernel's 64-bit offsets."""
-    return groups * pixels >= 2**31
-
-
-@gn_dropout_mask.register_fake
-def _(seed, batch, channels, pixels, p):
-    return seed.new_empty(batch, pixels, (channels + 7) // 8, dtype=torch.uint8)
-
-
-def _dropout_args(mask: torch.Tensor | None, p: float, fallback: torch.Tensor) -> dict:
-    """The kernels' dropout arguments: the call's mask (``gn_dropout_mask``'s) and the kept values'
-    scale, or none (any pointer stands in for the mask: the kernel does not read it)."""
-    on = mask is not None and p > 0
-    return {"m_ptr": mask if on else fallback, "scale": 2.0**16 / (2**16 - dropout_threshold(p)), "DROPOUT": on}
 
 
 def _pointwise(
@@ -425,15 +379,15 @@ def _pointwise(
 
 
 def _apply(
-    x: Tensor, a: Tensor, c: Tensor, silu: bool, dtype: torch.dtype, mask: Tensor | None = None, p: float = 0.0
+    x: Tensor, a: Tensor, c: Tensor, silu: bool, dtype: torch.dtype, seed: Tensor | None = None, p: float = 0.0
 ) -> Tensor:
-    """``x * a + c`` per (sample, channel), then SiLU if asked, then dropout at rate ``p`` by
-    ``mask`` (``gn_dropout_mask``'s) if given, in ``dtype``."""
+    """``x * a + c`` per (sample, channel), then SiLU if asked, then dropout at rate ``p`` drawn
+    from ``seed`` if given, in ``dtype``."""
     out = torch.empty_like(x, dtype=dtype)
-    return _pointwise(gn_fused_apply, "apply", out, x, (), (a, c), silu, _dropout_args(mask, p, a))
+    return _pointwise(gn_fused_apply, "apply", out, x, (), (a, c), silu, _dropout_args(seed, p, a))
 
 
-def _apply_fake(x, a, c, silu, dtype, mask=None, p=0.0):
+def _apply_fake(x, a, c, silu, dtype, seed=None, p=0.0):
     return torch.empty_like(x, dtype=dtype)
 
 
@@ -451,10 +405,10 @@ RECOMPUTED_OPS = ("stormcast::gn_apply_recomputed",)
 @torch.library.custom_op("stormcast::gn_grad_sums", mutates_args=())
 def gn_grad_sums(
     g: Tensor, x: Tensor, a: Tensor, c: Tensor, r: Tensor, q: Tensor, silu: bool,
-    mask: Tensor | None = None, p: float = 0.0,
+    seed: Tensor | None = None, p: float = 0.0,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Per chunk of pixels and channel: the sums of ``dy`` and of ``dy * (x * r + q)`` (B, chunks, C),
-    ``dy`` being ``g`` through the forward's dropout (``mask``, ``p``), then through the SiLU of
+    ``dy`` being ``g`` through the forward's dropout (``seed``, ``p``), then through the SiLU of
     ``x * a + c`` when ``silu``."""
     geo = _reduction(x, "grad_sums")
     gf, gs = _flat(g)
@@ -462,28 +416,28 @@ def gn_grad_sums(
     s1, s2 = _partials(x, geo)
     xf, xs = _flat(x)
     args = (gf, xf, a, c, r, q, s1, s2, ch, geo.pixels, geo.nchunks, *gs, *xs)
-    drop = _dropout_args(mask, p, a)
+    drop = _dropout_args(seed, p, a)
     _reduce(gn_fused_grad_sums, geo, b, args, **drop, SILU=silu, WIDE=_wide((gf, gs), (xf, xs)))
     return s1, s2
 
 
 @gn_grad_sums.register_fake
-def _(g, x, a, c, r, q, silu, mask=None, p=0.0):
+def _(g, x, a, c, r, q, silu, seed=None, p=0.0):
     return _partials(x, _reduction(x, "grad_sums"))
 
 
 @torch.library.custom_op("stormcast::gn_grad_apply", mutates_args=())
 def gn_grad_apply(
     g: Tensor, x: Tensor, a: Tensor, c: Tensor, kg: Tensor, kx: Tensor, k0: Tensor, silu: bool,
-    mask: Tensor | None = None, p: float = 0.0,
+    seed: Tensor | None = None, p: float = 0.0,
 ) -> Tensor:  # fmt: skip
     """``dy * kg + x * kx + k0`` per (sample, channel), in ``x``'s dtype and layout (``dy`` as above)."""
-    drop = _dropout_args(mask, p, a)
+    drop = _dropout_args(seed, p, a)
     return _pointwise(gn_fused_grad_apply, "grad_apply", torch.empty_like(x), x, (g,), (a, c, kg, kx, k0), silu, drop)
 
 
 @gn_grad_apply.register_fake
-def _(g, x, a, c, kg, kx, k0, silu, mask=None, p=0.0):
+def _(g, x, a, c, kg, kx, k0, silu, seed=None, p=0.0):
     return torch.empty_like(x)
 
 
@@ -514,29 +468,26 @@ class _FusedGroupNorm(torch.autograd.Function):
         mean_g, var_g = group_moments(mean_c, var_c, groups)
         rstd_g = torch.rsqrt(var_g + eps)
         a, cc = _coefficients(spread(rstd_g, c, 0), _offset(mean_g, shift, c), weight, bias)
-        # dropout's mask, from a seed drawn from torch's generator (a compiled graph draws it on the
-        # device, CUDA graphs included): one bit per element, kept for backward and recomputation
-        mask = None
-        if p > 0:
-            seed = torch.randint(2**62, (1,), device=x.device, dtype=torch.int64)
-            mask = gn_dropout_mask(seed, b, c, pixels, p)
-        ctx.save_for_backward(x, weight, bias, shift, mean_c, mean_g, rstd_g, mask)
+        # dropout's seed, drawn from torch's generator (a compiled graph draws it on the device, CUDA
+        # graphs included); kept for backward, which draws the same mask from it
+        seed = torch.randint(2**62, (1,), device=x.device, dtype=torch.int64) if p > 0 else None
+        ctx.save_for_backward(x, weight, bias, shift, mean_c, mean_g, rstd_g, seed)
         ctx.groups, ctx.silu, ctx.p = groups, silu, p
-        return (gn_apply_recomputed if recompute else gn_apply)(x, a, cc, silu, dtype, mask, p)
+        return (gn_apply_recomputed if recompute else gn_apply)(x, a, cc, silu, dtype, seed, p)
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight, bias, shift, mean_c, mean_g, rstd_g, mask = ctx.saved_tensors
+        x, weight, bias, shift, mean_c, mean_g, rstd_g, seed = ctx.saved_tensors
         c, groups = x.shape[1], ctx.groups
         pixels = math.prod(x.shape[2:])
         r, off = spread(rstd_g, c, 0), _offset(mean_g, shift, c)
         a, cc = _coefficients(r, off, weight, bias)
-        part1, part2 = gn_grad_sums(gy, x, a, cc, r, off * r, ctx.silu, mask, ctx.p)  # x_hat = x * r + off * r
+        part1, part2 = gn_grad_sums(gy, x, a, cc, r, off * r, ctx.silu, seed, ctx.p)  # x_hat = x * r + off * r
         s1, t = part1.sum(1), part2.sum(1)  # (B, C): sums of dy and of dy * x_hat
         w = weight.float().reshape(1, c) if weight is not None else torch.ones_like(s1[:1])
         n = (c // groups) * pixels
         kg, kx, k0, ga, gb = input_grad_coefficients(s1, t, w, r, off, groups, n)
-        dx = gn_grad_apply(gy, x, a, cc, kg, kx, k0, ctx.silu, mask, ctx.p)
+        dx = gn_grad_apply(gy, x, a, cc, kg, kx, k0, ctx.silu, seed, ctx.p)
         dw = t.sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = s1.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         dshift = None
@@ -576,10 +527,9 @@ def group_norm(
     of B x C elements), added to every pixel of its sample and channel. ``recompute``: the output
     comes from ``gn_apply_recomputed`` (``RECOMPUTED_OPS``), which a compiled graph recomputes in
     backward from ``x`` and the statistics instead of keeping it (one pass over ``x``). ``dropout``:
-    ``F.dropout``'s rate, applied after the SiLU inside the same kernel (its mask drawn once per call by
-    ``gn_dropout_mask``, one bit per element, and read again in backward and in a recomputation);
-    its masks are not the ones ``F.dropout`` would draw, only drawn alike, at a rate rounded to a
-    multiple of 2**-16."""
+    ``F.dropout``'s rate, applied after the SiLU inside the same kernel (its mask is drawn again
+    from a saved seed in backward and in a recomputation, never kept); its masks are not the ones
+    ``F.dropout`` would draw, only drawn alike, at a rate rounded to a multiple of 2**-16."""
     b, c = x.shape[:2]
     if shift is not None:
         shift = shift.reshape(b, c)

@@ -167,7 +167,6 @@ def test_fused_dropout_draws_the_same_mask_with_64_bit_offsets(monkeypatch):
     outs = []
     for wide in (False, True):
         monkeypatch.setattr(fused_norm, "_wide", lambda *flat, w=wide: w)
-        monkeypatch.setattr(fused_norm, "_mask_wide", lambda *sizes, w=wide: w)
         torch.manual_seed(5)
         outs.append(fused_norm.group_norm(x, 4, None, None, 1e-6, silu=True, dropout=0.5))
     assert torch.equal(outs[0], outs[1])
