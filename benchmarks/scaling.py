@@ -17,8 +17,9 @@ and prints ratios:
     torchrun --nproc-per-node 2 benchmarks/scaling.py --worker --sharding fsdp2   # one layout
 
 Figures per GPU: samples/s, peak memory (allocated, and reserved by the allocator: with CUDA
-graphs only the latter sees the graphs' pool), and the bytes of parameters + gradients +
-optimizer state each GPU holds (measured from the tensors after a step). After the warm-up the
+graphs only the latter sees the graphs' pool, and the table leaves the former out), and the
+bytes of parameters + gradients + optimizer state each GPU holds (measured from the tensors
+after a step). After the warm-up the
 allocator's cache is emptied and one untimed step allocates again, so "reserved" is what the
 steady step holds; "warm-up" is the peak before that (the eager FLOP-counting step, cuDNN's
 algorithm search).
@@ -455,6 +456,7 @@ def worker(args) -> None:
             result["compile_stats"] = {k: v for k, v in compiled.stats().items() if k != "break_reasons"}
             result["compile_stats"]["enabled"] = compiled.enabled
             result["channels_last"] = compiled.channels_last
+            result["cudagraphs"] = bool(compiled.cudagraphs)
         if env.is_main:  # before the profile: a profile cut short keeps the measurement
             print("RESULT " + json.dumps(result), flush=True)
         if args.profile and env.is_main:  # the same figures again, with the profile's (the driver keeps the last)
@@ -634,10 +636,12 @@ def print_table(runs: list[dict], args) -> None:
         ratio = f"{r['samples_per_s'] / eager['samples_per_s']:.2f}" if eager else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
         pre = f"{r['precompile_s']:.1f}" if r.get("precompile_s") is not None else "-"
+        # the allocator's peak misses CUDA graphs' pool: only "reserved" counts there
+        peak = "-" if r.get("cudagraphs") else f"{r['peak_mem_gib']:.1f}"
         print(
             f"{r['sharding']:>8} {r['gpus']:>4} {'compiled' if r['compile'] else 'eager':>8} "
             f"{r['samples_per_s']:>10.2f} {r['samples_per_s_per_gpu']:>7.2f} {ratio:>7} {_pct(r['mfu']):>6} "
-            f"{r['peak_mem_gib']:>12.1f} {r.get('peak_reserved_gib', 0):>8.1f} {r.get('warmup_reserved_gib', 0):>7.1f} "
+            f"{peak:>12} {r.get('peak_reserved_gib', 0):>8.1f} {r.get('warmup_reserved_gib', 0):>7.1f} "
             f"{r['state_gib']:>11.3f} "
             f"{first:>10} {pre:>9}"
         )

@@ -16,6 +16,20 @@ from framework.train.compile import compile_model
 from recipes.stormcast.songunet import SongUNet
 
 
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def _register_an_op_the_workers_lack() -> None:
+    """A custom op only this process registers (its workers never import it): the compile cache's
+    key carries a digest of the custom ops (``custom_ops_tag``), so the workers' graphs are only
+    the ones the first step looks up if they take this process's digest, not their own."""
+    from torch._library.custom_ops import OPDEFS
+
+    if "precompiletest::probe" not in OPDEFS:
+        torch.library.custom_op("precompiletest::probe", _probe, mutates_args=())
+
+
 def _unet(dropout=0.0):
     torch.manual_seed(0)
     return SongUNet(
@@ -152,7 +166,9 @@ def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog, chan
     then builds none and loads every one from the cache, and trains like the eager model. A job
     a worker cannot build (here: inputs of the wrong width) is reported, not raised, and the
     step compiles what is missing. Channels-last, the workers give the input convolution the
-    contiguous input it takes (``compile_contiguous_inputs``) and the blocks channels-last ones."""
+    contiguous input it takes (``compile_contiguous_inputs``) and the blocks channels-last ones.
+    The workers key their graphs as this process does, though they lack one of its custom ops."""
+    _register_an_op_the_workers_lack()
     eager, model = _unet(dropout=0.0), _unet(dropout=0.0)
     compiled = compile_model(model, device_type="cpu", cache_dir=tmp_path / "cache", channels_last=channels_last)
     layouts = {name: unit.forward.channels_last for name, unit in compiled.units_list}
