@@ -42,6 +42,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -182,6 +183,42 @@ def _copy_origins(prof, steps: int) -> list:
     return sorted(origins.items(), key=lambda kv: -kv[1][0])
 
 
+def _cudagraph_copies(device) -> list:
+    """What CUDA graph trees copy into their graphs' static buffers before each replay: every
+    recorded graph's inputs that are neither static (parameters) nor outputs of an earlier graph
+    of the tree, by placeholder name (``tangents``: incoming gradients, ``primals``: forward
+    inputs, others: saved activations), with their bytes. A diagnosis through torch's private
+    tree structures, read only."""
+    import torch
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+    if manager is None:
+        return ["  (no CUDA graph trees)"]
+    nodes = [n for group in manager.roots.values() for n in group]
+    kinds: dict[str, list] = {}
+    graphs = 0
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(c for group in node.children.values() for c in group)
+        if not hasattr(node, "non_static_input_idx"):  # a warm-up node: nothing recorded
+            continue
+        graphs += 1
+        for i in node.non_static_input_idx:
+            t = node.reconstructed_inputs[i]
+            if not isinstance(t, torch.Tensor):
+                continue
+            name = re.sub(r"_\d+$", "", node.wrapped_function.placeholders[i].name)
+            key = f"{name} {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+            slot = kinds.setdefault(key, [0, 0])
+            slot[0] += 1
+            slot[1] += t.numel() * t.element_size()
+    total = sum(n for n, _ in kinds.values()), sum(b for _, b in kinds.values())
+    lines = [f"  {total[0]} inputs, {total[1] / 2**20:.1f} MiB copied per replay of the tree's {graphs} graphs:"]
+    top = sorted(kinds.items(), key=lambda kv: -kv[1][1])[:15]
+    return lines + [f"  {n:5d} x  {b / 2**20:9.1f} MiB  {key}" for key, (n, b) in top]
+
+
 def host_time(t, batch, device, path: Path, steps: int = 3) -> list:
     """How long the host takes to enqueue a step (no sync inside: the GPU runs behind), against
     the step's wall time; near equal, the host sets the pace. Then one step under cProfile,
@@ -245,9 +282,15 @@ def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
         lines += [f"  {ms:8.2f} {n // steps:5d}  {chain}" for chain, (ms, n) in _copy_origins(prof, steps)[:10]]
     except Exception as e:  # noqa: BLE001
         lines.append(f"  (not available: {e!r})")
+    if args.compile:
+        lines += ["CUDA graph trees' input copies:"]
+        try:  # a diagnosis only, as above
+            lines += _cudagraph_copies(device)
+        except Exception as e:  # noqa: BLE001
+            lines.append(f"  (not available: {e!r})")
     mode = "compiled" if args.compile else "eager"
     tag = f"{args.model}_{args.sharding}_{mode}{'_' + args.variant if args.variant else ''}"
-    tag = tag.replace("=", "-").replace(",", "_")
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "-", tag.replace(",", "_"))  # file names any tool takes
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
     trace = out / f"trace_{tag}.json"  # the timeline (chrome://tracing, perfetto): where the GPU waits
