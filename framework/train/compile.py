@@ -312,7 +312,7 @@ def custom_ops_tag() -> str:
     from torch._library import custom_ops
 
     digest = hashlib.sha256()
-    for name, opdef in sorted(custom_ops.OPDEFS.items()):
+    for name, opdef in sorted(getattr(custom_ops, "OPDEFS", {}).items()):  # (private: absent, no digest)
         module = getattr(getattr(opdef, "_init_fn", None), "__module__", None) or ""
         if module == "torch" or module.startswith("torch."):
             continue
