@@ -711,8 +711,7 @@ exec(f"def scale(x: torch.Tensor, {{name}}: Optional[torch.Tensor] = None, p: fl
      "    return x * (1 + p)")
 op = torch.library.custom_op("cachetagtest::scale", scale, mutates_args=())
 op.register_fake(lambda x, *rest: torch.empty_like(x))
-if sys.argv[2] == "tagged":
-    use_caches()
+use_caches()
 f = torch.compile(lambda x: torch.ops.cachetagtest.scale(x.sin(), None, 0.0) + 1, backend="inductor")
 print(f(torch.ones(3)).tolist())
 """
@@ -730,7 +729,7 @@ def test_a_custom_ops_new_schema_compiles_afresh_instead_of_loading_the_old_grap
     script = _UPGRADED_OP.format(names=_OP_VERSIONS)
     for version in ("1", "2"):
         out = subprocess.run(
-            [sys.executable, "-c", script, version, "tagged"], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", script, version], env=env, capture_output=True, text=True, timeout=300
         )
         assert out.returncode == 0, out.stderr[-2000:]
         assert json.loads(out.stdout) == pytest.approx([math.sin(1) + 1] * 3), out.stdout
