@@ -8,7 +8,14 @@ one's time and peak memory and their ratios to dense.
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16   # StormScope 512x640
 
 flex runs twice: over 8 x 16 token tiles (what the DiT uses) and in row-major token order
-(``flex-rows``), whose 128-token blocks are slivers of one row.
+(``flex-rows``), whose 128-token blocks are slivers of one row. ``fused`` is the recipe's Triton
+kernels (CUDA only); ``--fused-tiles`` adds a run per tile variant (``QHxQW/KHxKW/warps/stages``,
+for the three kernels alike), ``--impls`` picks which run:
+
+    python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16 --batch 4 \
+        --impls flex fused --fused-tiles 8x16/8x8/8/3 8x8/8x8/4/3
+
+Each row gives the forward alone and forward + backward.
 
 Peak memory is what the call adds on top of its inputs: CUDA's allocator peak, or on CPU the
 process RSS sampled every millisecond by a thread (coarse, but enough for ratios).
@@ -28,6 +35,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from recipes.stormscope import fused_natten  # noqa: E402
 from recipes.stormscope.natten import (  # noqa: E402
     dense_neighbourhood_attention,
     flex_neighbourhood_attention,
@@ -86,12 +94,17 @@ def is_oom(e: BaseException) -> bool:
 
 
 def measure(fn, q, k, v, kernel, iters, warmup):
-    """(seconds per forward+backward, peak bytes) of fn."""
+    """(seconds per forward+backward, peak bytes, seconds per forward) of fn."""
     grad = torch.randn_like(q)
 
     def step():
         q.grad = k.grad = v.grad = None
         fn(q, k, v, kernel).backward(grad)
+        if q.is_cuda:
+            torch.cuda.synchronize()
+
+    def forward():
+        fn(q, k, v, kernel)
         if q.is_cuda:
             torch.cuda.synchronize()
 
@@ -108,7 +121,12 @@ def measure(fn, q, k, v, kernel, iters, warmup):
         step()
         times.append(time.perf_counter() - t0)
     mem.__exit__()
-    return statistics.median(times), mem.peak
+    forwards = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        forward()
+        forwards.append(time.perf_counter() - t0)
+    return statistics.median(times), mem.peak, statistics.median(forwards)
 
 
 IMPLS = {
@@ -116,7 +134,18 @@ IMPLS = {
     "flex-rows": lambda q, k, v, kernel: flex_neighbourhood_attention(q, k, v, kernel, tiled=False),
     "reference": reference_neighbourhood_attention,
     "dense": dense_neighbourhood_attention,
+    "fused": lambda q, k, v, kernel: fused_natten.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=q.shape[2]),
 }
+
+
+def _fused_tiles(text: str) -> fused_natten.Tiles:
+    """``QHxQW/KHxKW[/warps[/stages]]``."""
+    parts = text.split("/")
+    try:
+        (qh, qw), (kh, kw) = ([int(x) for x in p.split("x")] for p in parts[:2])
+        return fused_natten.Tiles(qh, qw, kh, kw, *(int(x) for x in parts[2:]))
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"tiles must read QHxQW/KHxKW[/warps[/stages]], got {text!r}") from None
 
 
 def run_one(a, name) -> None:
@@ -129,14 +158,18 @@ def run_one(a, name) -> None:
         torch.randn(a.batch, a.heads, *a.grid, a.head_dim, device=device, dtype=DTYPES[a.dtype], requires_grad=True)
         for _ in range(3)
     )
+    if ":" in name:  # fused:QHxQW/KHxKW/warps/stages
+        name, tiles = name.split(":", 1)
+        t16 = _fused_tiles(tiles)
+        fused_natten.TILES.update(fwd=t16, dq=t16, dkdv=t16)
     try:
-        t, m = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
+        t, m, f = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
     except Exception as e:  # noqa: BLE001 - OOM shows up as several exception types across devices
         if not is_oom(e):
             raise
         print("RESULT " + json.dumps({"oom": True}))
         return
-    print("RESULT " + json.dumps({"s": t, "bytes": m}))
+    print("RESULT " + json.dumps({"s": t, "bytes": m, "forward_s": f}))
 
 
 def main(argv=None):
@@ -153,7 +186,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); default: torch's choice")
     p.add_argument("--skip-dense", action="store_true", help="skip dense masked attention (O((HW)^2) memory)")
-    p.add_argument("--only", choices=sorted(IMPLS), help=argparse.SUPPRESS)  # internal: the child's job
+    p.add_argument("--impls", nargs="*", choices=sorted(IMPLS), help="which to run (default: all that run here)")
+    p.add_argument("--fused-tiles", nargs="*", type=_fused_tiles, default=[], help="fused tile variants to add")
+    p.add_argument("--only", help=argparse.SUPPRESS)  # internal: the child's job
     a = p.parse_args(argv)
     if a.only:
         return run_one(a, a.only)
@@ -169,13 +204,17 @@ def main(argv=None):
     )
     print(f"keys per query: neighbourhood {min(a.kernel, rows) * min(a.kernel, cols)}, dense {tokens}")
 
-    names = ["flex", "flex-rows", "reference"] + ([] if a.skip_dense else ["dense"])
+    names = a.impls or ["flex", "flex-rows", "fused", "reference"] + ([] if a.skip_dense else ["dense"])
     if device.type != "cuda":  # torch 2.13's CPU flex has no backward, so it cannot run forward+backward
-        print("flex: skipped (no flex_attention backward on CPU)")
-        names = names[2:]
+        print("flex, fused: skipped (no flex_attention backward on CPU; the fused kernels need CUDA)")
+        names = [n for n in names if n not in ("flex", "flex-rows", "fused")]
+    else:
+        variants = [f"{t.qh}x{t.qw}/{t.kh}x{t.kw}/{t.warps}/{t.stages}" for t in a.fused_tiles]
+        names += [f"fused:{v}" for v in variants]
     results = {}
     for name in names:  # one process each: clean peaks, and an OOM (even the kernel's) cannot take us down
-        proc = subprocess.run([sys.executable, __file__, *argv, "--only", name], capture_output=True, text=True)
+        cmd = [sys.executable, __file__, *_strip_lists(argv), "--only", name]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         res = json.loads(line[7:]) if line else None
         if res is None and proc.returncode in (-9, 137) or res and res.get("oom"):
@@ -183,14 +222,32 @@ def main(argv=None):
         elif res is None:
             print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
         else:
-            results[name] = (res["s"], res["bytes"])
+            results[name] = (res["s"], res["bytes"], res["forward_s"])
 
     dense = results.get("dense")
-    print(f"{'impl':<10} {'ms/iter':>10} {'peak MiB':>10} {'time/dense':>11} {'mem/dense':>10}")
-    for name, (t, m) in results.items():
+    flex = results.get("flex")
+    print(
+        f"{'impl':<22} {'fwd ms':>8} {'fwd+bwd ms':>11} {'peak MiB':>10} {'time/dense':>11} {'mem/dense':>10} "
+        f"{'time/flex':>10}"
+    )
+    for name, (t, m, f) in results.items():
         tr = f"{t / dense[0]:.3f}" if dense else "-"
         mr = f"{m / dense[1]:.3f}" if dense and dense[1] > 0 else "-"
-        print(f"{name:<10} {t * 1e3:>10.2f} {m / 2**20:>10.1f} {tr:>11} {mr:>10}")
+        fr = f"{t / flex[0]:.3f}" if flex else "-"
+        print(f"{name:<22} {f * 1e3:>8.2f} {t * 1e3:>11.2f} {m / 2**20:>10.1f} {tr:>11} {mr:>10} {fr:>10}")
+
+
+def _strip_lists(argv: list[str]) -> list[str]:
+    """The parent's arguments less the lists that pick runs (a child runs one, named by --only)."""
+    out, skipping = [], False
+    for x in argv:
+        if x in ("--impls", "--fused-tiles"):
+            skipping = True
+        elif skipping and x.startswith("--"):
+            skipping = False
+        if not skipping:
+            out.append(x)
+    return out
 
 
 if __name__ == "__main__":

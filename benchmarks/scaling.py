@@ -629,7 +629,7 @@ def main(argv=None) -> None:
         default="songunet",
         help="songunet: the regression net; diffusion: the EDM denoiser of stormcast_diffusion_fast; dit: StormScope's",
     )
-    ap.add_argument("--attn-impl", default="auto", help="dit: auto | flex | reference")
+    ap.add_argument("--attn-impl", default="auto", help="dit: auto | flex | fused | reference")
     ap.add_argument("--attn-block", type=int, choices=[64, 128], help="dit: flex's sparse block (default: auto)")
     ap.add_argument("--dropout", type=float, help="the SongUNets' dropout (default: the presets', 0.1)")
     ap.add_argument(

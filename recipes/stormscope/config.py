@@ -46,7 +46,7 @@ class DiTConfig:
     num_scalar_conditions: int = 0
     mask_token: bool = False
     checkpoint_blocks: bool = False
-    attn_impl: str = "auto"  # auto | flex | reference
+    attn_impl: str = "auto"  # auto | flex | fused | reference
     # flex's sparse block in tokens: 64 (8 x 8 tiles) or 128 (8 x 16); null: 64 for 16-bit heads
     # under 64 on Hopper GPUs, where it is the faster, else 128
     attn_block: int | None = None
@@ -58,7 +58,7 @@ class DiTConfig:
         positive(self, "patch_size", "hidden_size", "depth", "num_heads", "attn_kernel")
         non_negative(self, "num_scalar_conditions")
         one_of(self, "pos_embed", ("learned", "rope", "none"))
-        one_of(self, "attn_impl", ("auto", "flex", "reference"))
+        one_of(self, "attn_impl", ("auto", "flex", "fused", "reference"))
         if self.attn_block not in BLOCKS:
             raise Invalid("attn_block", f"must be null (auto), 64 or 128 tokens (got {self.attn_block!r})")
         if self.attn_kernel % 2 == 0:

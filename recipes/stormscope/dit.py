@@ -190,10 +190,11 @@ class NeighbourhoodAttention(nn.Module):
         q, k, v = self.qkv(x).view(b, r, w, 3, self.num_heads, self.head_dim).permute(3, 0, 4, 1, 2, 5)
         if self.rope is not None:
             q, k = self.rope(q, row_offset), self.rope(k, row_offset)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and natten.resolved_impl(self.impl, q) == "flex":
             # Flex's block-mask builder runs eagerly, so the compiled block's graph ends before the
             # attention; q, k, v leaving it as views of the projection had their gradient rebuilt
             # by eager autograd (zero fills, strided copies: ~40 ms of the preset's 389 ms step).
+            # (The fused kernels read the views in place, inside the graph.)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return q, k, v
 

@@ -21,6 +21,9 @@ Implementations, all equal to :func:`dense_neighbourhood_attention` to float tol
   O(chunk * W * (chunk + kernel) * W) instead of O((H * W) ** 2). Inside
   :func:`shared_masks` (a DiT's forward) every layer reuses the masks of the first: the same
   geometry, made and kept for backward once per forward instead of once per layer.
+* ``"fused"``: this recipe's Triton kernels (``fused_natten``): q, k, v read in place (any
+  strides), 2-D tiles of queries and keys, the window mask per score, no block mask; CUDA (or
+  Triton's interpreter), else the reference with a warning.
 * ``"auto"``: flex on CUDA (head_dim >= 16, which its Triton kernels need), else reference.
 """
 
@@ -34,6 +37,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from recipes.stormscope import fused_natten
+
 
 @functools.cache
 def _flex_api():
@@ -46,7 +51,7 @@ def _flex_api():
     return BlockMask, flex_attention
 
 
-IMPLS = ("auto", "flex", "reference")
+IMPLS = ("auto", "flex", "fused", "reference")
 
 # Score elements (batch * heads * queries * keys) one reference chunk may hold: ~512 MiB fp32.
 _REFERENCE_SCORE_BUDGET = 1 << 27
@@ -553,6 +558,17 @@ def flex_supported(q: torch.Tensor) -> bool:
     return _flex_api() is not None and (q.device.type != "cuda" or q.shape[-1] >= 16)
 
 
+def resolved_impl(impl: str, q: torch.Tensor) -> str:
+    """The implementation ``impl`` means for ``q``: "auto" resolved, and "reference" where FLOPs are
+    being counted (FlopCounterMode cannot trace flex's higher-order op nor see into the fused
+    kernels: it counts the same math)."""
+    if impl not in IMPLS:
+        raise ValueError(f"neighbourhood attention impl must be one of {IMPLS}, got impl={impl!r}")
+    if impl == "auto":
+        impl = "flex" if q.is_cuda and flex_supported(q) else "reference"
+    return "reference" if impl != "reference" and _counting_flops() else impl
+
+
 def neighbourhood_attention(
     q,
     k,
@@ -568,16 +584,23 @@ def neighbourhood_attention(
     """Neighbourhood attention of ``q`` (B, heads, Hq, W, d) over ``k``/``v`` (B, heads, Hk, W, d).
 
     ``impl``: "auto" (flex on CUDA when head_dim >= 16, else reference), "flex" (falls back to
-    reference, with a warning, where flex cannot run: backward on CPU, head_dim < 16 on CUDA)
-    or "reference". ``block``: flex's sparse block in tokens (64 or 128; None: ``auto_block``).
+    reference, with a warning, where flex cannot run: backward on CPU, head_dim < 16 on CUDA),
+    "fused" (likewise where Triton cannot run: CPU without its interpreter) or "reference".
+    ``block``: flex's sparse block in tokens (64 or 128; None: ``auto_block``).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"neighbourhood attention impl must be one of {IMPLS}, got impl={impl!r}")
     band = dict(q_row_offset=q_row_offset, kv_row_offset=kv_row_offset, grid_rows=grid_rows)
-    if impl == "auto":
-        impl = "flex" if q.is_cuda and flex_supported(q) else "reference"
-    if impl == "flex" and _counting_flops():
-        impl = "reference"  # FlopCounterMode cannot trace flex's higher-order op: count the same math
+    impl = resolved_impl(impl, q)
+    if impl == "fused":
+        if fused_natten.available(q):
+            grid_rows = _check_band(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)
+            return fused_natten.fused_neighbourhood_attention(
+                q, k, v, kernel, q_row_offset=q_row_offset, kv_row_offset=kv_row_offset, grid_rows=grid_rows
+            )
+        _warn_once(
+            "fused neighbourhood attention unavailable (it needs Triton and a CUDA tensor); "
+            "using the reference implementation",
+            key="fused-fallback",
+        )
     if impl == "flex":
         try:
             if not flex_supported(q):

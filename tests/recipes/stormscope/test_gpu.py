@@ -17,14 +17,15 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GPU = ["device=cuda", "model.hidden_size=64", "model.num_heads=4"]
 
 
-def test_stormscope_trains_on_one_gpu_with_flex(tmp_path):
+@pytest.mark.parametrize("impl", ["flex", "fused"])
+def test_stormscope_trains_on_one_gpu(tmp_path, impl):
     run = tmp_path / "r"
     proc = cli(
         [
             *BASE,
             *GPU,
             "precision=bf16",
-            "model.attn_impl=flex",
+            f"model.attn_impl={impl}",
             f"data.root={tmp_path / 'data'}",
             f"hydra.run.dir={run}",
             "trainer.max_steps=60",
@@ -43,7 +44,7 @@ def test_stormscope_trains_on_one_gpu_with_flex(tmp_path):
     assert np.isfinite(val["crps"]) and val["spread"] > 0
 
 
-@pytest.mark.parametrize("impl", ["reference", "flex"])
+@pytest.mark.parametrize("impl", ["reference", "flex", "fused"])
 def test_fsdp2_domain_on_two_gpus_logs_the_losses_of_one(tmp_path, impl):
     if GPUS < 2:
         pytest.skip(f"needs 2 GPUs, {GPUS} here")
@@ -63,5 +64,6 @@ def test_fsdp2_domain_on_two_gpus_logs_the_losses_of_one(tmp_path, impl):
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = cli([*common, "parallel=fsdp2_domain", f"hydra.run.dir={run}"], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # flex's block-sparse kernel sums in another order on a band than on the whole grid
+    # flex's block-sparse kernel (and the fused kernels' tiles) sum in another order on a band
+    # than on the whole grid
     assert compare(losses(ref), losses(run)) <= (1e-5 if impl == "reference" else 1e-4)

@@ -1,0 +1,191 @@
+"""Build the fused neighbourhood-attention kernels for a GPU, on any machine, and report them.
+
+Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests) runs a kernel's Python, not its
+compilation: a kernel that computes the right numbers there may still fail to compile, spill
+registers or miss the software pipelining on the GPU. This script takes the launches a real call
+makes (CPU tensors of the chosen size, recorded instead of launched), specialises their arguments
+as Triton's JIT would on a GPU (16-aligned pointers, integers divisible by 16, integers equal to 1),
+compiles each kernel for the target with Triton's own ptxas, and prints per kernel: registers,
+spilled bytes, shared memory, and how many loads became asynchronous copies (pipelined).
+
+    python benchmarks/kernel_build.py                                   # StormScope's layer, bf16, sm90
+    python benchmarks/kernel_build.py --grid 128 160 --heads 16 --head-dim 48 --tiles 8x16/8x8/8/3
+
+No GPU needed (ptxas ships with Triton's NVIDIA backend). Figures for the GPU's own Triton may
+differ from this machine's where the versions differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from recipes.stormscope import fused_natten  # noqa: E402
+
+KERNELS = ("_fna_forward", "_fna_backward_dq", "_fna_backward_dkdv")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kw)`` records the call instead."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((self.kernel, grid, args, kw))
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Within: the fused kernels' launches are recorded into the yielded list, not run."""
+    calls: list = []
+    saved = {name: getattr(fused_natten, name) for name in KERNELS}
+    for name, kernel in saved.items():
+        setattr(fused_natten, name, _Recorder(kernel, calls))
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # (the launch code's own checks only)
+    try:
+        yield calls
+    finally:
+        for name, kernel in saved.items():
+            setattr(fused_natten, name, kernel)
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def source(kernel, args, kw):
+    """The ASTSource of one launch, specialised as the JIT would specialise it on a GPU."""
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    constants = {n: v for n, v in kw.items() if n not in _OPTIONS}
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1:
+                signature[name], constants[name] = "constexpr", 1
+                continue
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: cannot specialise {type(value).__name__}")
+    for name in constants:
+        signature[name] = "constexpr"
+    return ASTSource(kernel, signature, constants, attrs)
+
+
+def report(kernel, args, kw, arch: int) -> dict:
+    """Compile one launch for sm``arch``; registers, spills, shared memory, pipelined loads."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    options = {k: kw[k] for k in _OPTIONS if k in kw}
+    compiled = triton.compile(source(kernel, args, kw), target=GPUTarget("cuda", arch, 32), options=options)
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    # the newest ptxas Triton ships reads the PTX versions its LLVM writes
+    ptxas = next(p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists())
+    ptx = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_build_{os.getpid()}.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    try:
+        suffix = "a" if arch >= 90 else ""
+        out = subprocess.run(
+            [str(ptxas), "-v", f"-arch=sm_{arch}{suffix}", str(ptx), "-o", os.devnull], capture_output=True, text=True
+        )
+    finally:
+        ptx.unlink(missing_ok=True)
+    if out.returncode:
+        raise RuntimeError(f"ptxas failed for {kernel.__name__}: {out.stderr[-2000:]}")
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", out.stderr)
+    ttgir = compiled.asm["ttgir"]
+    return {
+        "kernel": kernel.__name__,
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_bytes": int(spills.group(1)) if spills else None,
+        "shared_bytes": compiled.metadata.shared,
+        "async_loads": ttgir.count("async_copy_global_to_local"),
+        # Hopper's warp-group MMA, the older per-warp MMA, or none (float32 "ieee" products run on FMAs)
+        "tensor_core": "wgmma" if "warp_group_dot" in ttgir else ("mma" if "nvidia_mma" in ttgir else "none"),
+        **options,
+    }
+
+
+def parse_tiles(text: str) -> fused_natten.Tiles:
+    """``QHxQW/KHxKW/warps/stages`` (warps and stages optional)."""
+    parts = text.split("/")
+    try:
+        qh, qw = (int(x) for x in parts[0].split("x"))
+        kh, kw = (int(x) for x in parts[1].split("x"))
+        rest = [int(x) for x in parts[2:]]
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"tiles must read QHxQW/KHxKW[/warps[/stages]], got {text!r}") from None
+    return fused_natten.Tiles(qh, qw, kh, kw, *rest)
+
+
+def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None) -> list:
+    """The recorded launches of one forward and backward at this size (``tiles`` for all three)."""
+    saved, saved_fp32 = dict(fused_natten.TILES), fused_natten.TILES_FP32
+    if tiles is not None:
+        fused_natten.TILES.update(fwd=tiles, dq=tiles, dkdv=tiles)
+        fused_natten.TILES_FP32 = tiles
+    try:
+        with recorded_launches() as calls:
+            rows, cols = grid
+            # the DiT's layout: q, k, v as views of one (B, rows, cols, 3, heads, d) projection
+            qkv = torch.empty(batch, rows, cols, 3, heads, head_dim, dtype=dtype)
+            q, k, v = qkv.permute(3, 0, 4, 1, 2, 5)
+            out, lse = fused_natten.natten_forward(q, k, v, kernel, 0, 0, rows)
+            fused_natten.natten_backward(torch.empty_like(out), q, k, v, out, lse, kernel, 0, 0, rows)
+    finally:
+        fused_natten.TILES.clear()
+        fused_natten.TILES.update(saved)
+        fused_natten.TILES_FP32 = saved_fp32
+    return calls
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--grid", type=int, nargs=2, default=[128, 160], metavar=("ROWS", "COLS"), help="token grid")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=48)
+    p.add_argument("--kernel", type=int, default=31)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
+    p.add_argument("--tiles", type=parse_tiles, nargs="*", default=[None], help="QHxQW/KHxKW[/warps[/stages]]")
+    a = p.parse_args(argv)
+    for tiles in a.tiles:
+        label = "the defaults" if tiles is None else "{}x{}/{}x{}/{}/{}".format(*tiles)
+        print(f"tiles {label}: sm{a.arch}, {a.dtype}, grid {a.grid[0]}x{a.grid[1]}, {a.heads} heads of {a.head_dim}")
+        for kernel, _, args, kw in launches(a.grid, a.heads, a.head_dim, a.kernel, a.batch, DTYPES[a.dtype], tiles):
+            r = report(kernel, args, kw, a.arch)
+            print(
+                f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled, "
+                f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, {r['async_loads']} async loads, "
+                f"{r['tensor_core']}, {r.get('num_warps')} warps, {r.get('num_stages')} stages"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,512 @@
+"""Fused 2-D neighbourhood attention: Triton kernels that read q, k, v where they lie.
+
+Why hand-written: flex_attention runs the DiT's 31 x 31 windows as sparse blocks of a fixed
+token order (``natten.flex_neighbourhood_attention``). On an H200 that was 59% of the StormScope
+step (docs/benchmarks.md, run 13): of the scores it computes ~56% fall inside a window, heads of
+48 are padded to 64, its mask_mod decodes each token's tile position with integer division, and
+q, k, v, the output and their gradients are copied into and out of the tiled order.
+
+These kernels take (B, heads, rows, cols, head_dim) tensors with any strides (the projection's
+own output: no copies), with unit stride along head_dim. Each program owns a 2-D tile of
+queries (``QH x QW`` tokens) and loops over 2-D tiles of keys (``KH x KW``) laid from the corner
+of the union of its queries' windows, so no block order or block mask exists: a score is kept
+when its key lies in its query's clamped window (four comparisons). Heads of 48 are two products,
+32 and 16 wide, instead of one padded to 64. Backward is FlashAttention-2's: one kernel per key
+tile for dK and dV (over the query tiles whose windows reach it) and one per query tile for dQ,
+from the forward's log-sum-exp.
+
+Same semantics as ``natten``: NATTEN's clamped windows, bands of rows with global offsets for
+domain parallelism (the queries' windows must lie in the key band, which ``natten`` checks).
+Softmax scale ``1 / sqrt(head_dim)``, scores and sums in float32, products in the inputs' dtype
+(float32 inputs: full-precision products, no TF32).
+
+Each launch is a ``torch.library`` custom op with a registered backward, so a compiled DiT
+block traces it without a graph break. With ``TRITON_INTERPRET=1`` the kernels also run on CPU
+tensors (Triton's interpreter): the CPU tests check them there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: natten falls back to the reference implementation
+    triton = None
+
+
+def available(q: Tensor) -> bool:
+    """The kernels can run on ``q``: Triton is installed and ``q`` is a float32 or half-precision
+    CUDA tensor (or any device under Triton's interpreter)."""
+    if triton is None or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return (q.is_cuda and torch.cuda.is_available()) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class Tiles(NamedTuple):
+    """One kernel's tiles: queries ``qh x qw`` tokens, keys ``kh x kw``; its warps and stages."""
+
+    qh: int
+    qw: int
+    kh: int
+    kw: int
+    warps: int = 4
+    stages: int = 2
+
+
+# 16-bit tiles of 8 x 8 tokens: a query tile's windows (kernel 31) span 38 x 38 keys, covered by
+# 5 x 5 key tiles, so ~60% of the computed scores are inside a window (flex's 64-token blocks:
+# ~50%). Chosen by that count and by their build for sm90 (no spills, pipelined loads:
+# benchmarks/kernel_build.py), not yet by a measurement: benchmarks/natten.py --fused-tiles
+# compares others on a GPU.
+TILES = {
+    "fwd": Tiles(8, 8, 8, 8),
+    "dq": Tiles(8, 8, 8, 8),
+    "dkdv": Tiles(8, 8, 8, 8),
+}
+# float32 (full-precision products on FMAs, for parity runs): 8 x 8 tiles spill kilobytes of
+# registers on sm90; 4 x 8 do not.
+TILES_FP32 = Tiles(4, 8, 4, 8)
+
+
+def _tiles(name: str, q: Tensor) -> Tiles:
+    return TILES_FP32 if q.dtype == torch.float32 else TILES[name]
+
+
+def head_split(d: int) -> tuple[int, int]:
+    """``head_dim`` as the widths of two dot products, each a power of two >= 16 (Triton's
+    minimum) or zero: 48 -> (32, 16), 64 -> (64, 0), 80 -> (64, 16); widths no such pair sums to
+    are padded (24 -> (32, 0), 8 -> (16, 0))."""
+    p = 1 << (d.bit_length() - 1)
+    rest = d - p
+    if rest == 0:
+        return max(p, 16), 0
+    if rest >= 16 and rest & (rest - 1) == 0:
+        return p, rest
+    return 2 * p, 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _window_start(pos, half, n, span):
+        """First index of the clamped window around ``pos`` on an axis of ``n`` (``span`` wide)."""
+        return tl.minimum(tl.maximum(pos - half, 0), n - span)
+
+    @triton.jit
+    def _first_query(key, half, span):
+        """The first position whose window reaches ``key`` (windows start monotonically)."""
+        reach = key - span + 1
+        return tl.where(reach <= 0, 0, reach + half)
+
+    @triton.jit
+    def _last_query(key, half, n, span):
+        """The last position whose window reaches ``key``."""
+        return tl.where(key >= n - span, n - 1, key + half)
+
+    @triton.jit
+    def _offsets(rows, cols, s_r, s_c, WIDE: tl.constexpr):
+        """Element offsets of the tokens at ``rows``, ``cols`` (64-bit if WIDE)."""
+        if WIDE:
+            return rows.to(tl.int64) * s_r + cols.to(tl.int64) * s_c
+        return rows * s_r + cols * s_c
+
+    @triton.jit
+    def _load(base, offs, valid, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
+        """A (tokens, head_dim) tile as its two column blocks (the second is the first when D1 == 0)."""
+        offs = offs[:, None]
+        d0 = tl.arange(0, D0)
+        if D0 > D:  # padded head
+            x0 = tl.load(base + offs + d0[None, :], mask=valid[:, None] & (d0[None, :] < D), other=0.0)
+        else:
+            x0 = tl.load(base + offs + d0[None, :], mask=valid[:, None], other=0.0)
+        if D1 > 0:
+            d1 = D0 + tl.arange(0, D1)
+            x1 = tl.load(base + offs + d1[None, :], mask=valid[:, None], other=0.0)
+        else:
+            x1 = x0
+        return x0, x1
+
+    @triton.jit
+    def _store(base, offs, valid, x0, x1, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
+        offs = offs[:, None]
+        d0 = tl.arange(0, D0)
+        ptr = base + offs + d0[None, :]
+        if D0 > D:
+            tl.store(ptr, x0.to(base.dtype.element_ty), mask=valid[:, None] & (d0[None, :] < D))
+        else:
+            tl.store(ptr, x0.to(base.dtype.element_ty), mask=valid[:, None])
+        if D1 > 0:
+            tl.store(base + offs + D0 + tl.arange(0, D1)[None, :], x1.to(base.dtype.element_ty), mask=valid[:, None])
+
+    @triton.jit
+    def _products(a0, a1, b0, b1, D1: tl.constexpr, PRECISION: tl.constexpr):
+        """a @ b.T over the head dimension, from the two column blocks."""
+        s = tl.dot(a0, tl.trans(b0), input_precision=PRECISION)
+        if D1 > 0:
+            s += tl.dot(a1, tl.trans(b1), input_precision=PRECISION)
+        return s
+
+    @triton.jit
+    def _inside(q_r, q_c, k_r, k_c, span_r, span_c):
+        """Whether the key at (k_r, k_c) lies in the window starting at (q_r, q_c) (broadcast).
+        One unsigned comparison per axis: at head_dim 48 a score's mask costs about as much as
+        its products, so every instruction here counts."""
+        rows = (k_r - q_r).to(tl.uint32, bitcast=True) < span_r
+        return rows & ((k_c - q_c).to(tl.uint32, bitcast=True) < span_c)
+
+    @triton.jit
+    def _tile_at(t, lo_r, lo_c, tiles_c, KH: tl.constexpr, KW: tl.constexpr):
+        """Row and column of tile ``t`` of a region ``[lo_r, ..) x [lo_c, ..)`` tiled row-major,
+        ``tiles_c`` tiles wide: one flat loop rather than two nested ones, for the pipeliner."""
+        return lo_r + (t // tiles_c) * KH, lo_c + (t % tiles_c) * KW
+
+    @triton.jit
+    def _query_tile(hq, w, q_off, grid_rows, half, span_r, span_c, QH: tl.constexpr, QW: tl.constexpr):
+        """This program's query tile: local rows, columns, which exist, each query's window start
+        (global row, column; padding queries take the nearest real one's) and the union of the
+        windows ``[lo_r, hi_r) x [lo_c, hi_c)`` (global)."""
+        tiles_w = tl.cdiv(w, QW)
+        r0, c0 = (tl.program_id(0) // tiles_w) * QH, (tl.program_id(0) % tiles_w) * QW
+        m = tl.arange(0, QH * QW)
+        rows, cols = r0 + m // QW, c0 + m % QW
+        valid = (rows < hq) & (cols < w)
+        ws_r = _window_start(tl.minimum(rows, hq - 1) + q_off, half, grid_rows, span_r)
+        ws_c = _window_start(tl.minimum(cols, w - 1), half, w, span_c)
+        lo_r = _window_start(r0 + q_off, half, grid_rows, span_r)
+        hi_r = _window_start(tl.minimum(r0 + QH, hq) - 1 + q_off, half, grid_rows, span_r) + span_r
+        lo_c = _window_start(c0, half, w, span_c)
+        hi_c = _window_start(tl.minimum(c0 + QW, w) - 1, half, w, span_c) + span_c
+        return rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c
+
+    @triton.jit
+    def _fna_forward(
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+        sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
+        so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c,
+        heads, hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale,
+        D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
+        KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    ):  # fmt: skip
+        b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
+        rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
+            hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
+        )
+        q_base = q_ptr + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
+        k_base = k_ptr + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
+        v_base = v_ptr + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
+        q0, q1 = _load(q_base, _offsets(rows, cols, sq_r, sq_c, WIDE), valid, D, D0, D1)
+        m_i = tl.full([QH * QW], float("-inf"), tl.float32)
+        l_i = tl.zeros([QH * QW], tl.float32)
+        acc0 = tl.zeros([QH * QW, D0], tl.float32)
+        if D1 > 0:
+            acc1 = tl.zeros([QH * QW, D1], tl.float32)
+        n = tl.arange(0, KH * KW)
+        tiles_c = tl.cdiv(hi_c - lo_c, KW)
+        for t in range(0, tl.cdiv(hi_r - lo_r, KH) * tiles_c):
+            r, c = _tile_at(t, lo_r, lo_c, tiles_c, KH, KW)
+            k_r, k_c = r + n // KW, c + n % KW
+            k_in = (k_r < hi_r) & (k_c < hi_c)  # the union's keys lie in the band (natten checks)
+            k0, k1 = _load(k_base, _offsets(k_r - kv_off, k_c, sk_r, sk_c, WIDE), k_in, D, D0, D1)
+            s = _products(q0, q1, k0, k1, D1, PRECISION)  # unscaled: the scale joins exp2's argument
+            inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
+            s = tl.where(inside, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key of this tile yet
+            p = tl.exp2(s * qk_scale - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v0, v1 = _load(v_base, _offsets(k_r - kv_off, k_c, sv_r, sv_c, WIDE), k_in, D, D0, D1)
+            p = p.to(v0.dtype)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision=PRECISION)
+            if D1 > 0:
+                acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=PRECISION)
+            m_i = m_new
+        o_base = o_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h
+        inv = 1.0 / l_i
+        o_offs = _offsets(rows, cols, so_r, so_c, WIDE)
+        if D1 > 0:
+            _store(o_base, o_offs, valid, acc0 * inv[:, None], acc1 * inv[:, None], D, D0, D1)
+        else:
+            _store(o_base, o_offs, valid, acc0 * inv[:, None], acc0, D, D0, D1)
+        l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
+        tl.store(lse_ptr + l_offs, m_i + tl.log2(l_i), mask=valid)
+
+    @triton.jit
+    def _fna_backward_dq(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+        sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
+        sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c,
+        heads, hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
+        D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
+        KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    ):  # fmt: skip
+        """dQ of one query tile: the forward's loop, recomputing the probabilities from the lse."""
+        b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
+        rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
+            hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
+        )
+        bh_q = b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
+        q0, q1 = _load(q_ptr + bh_q, _offsets(rows, cols, sq_r, sq_c, WIDE), valid, D, D0, D1)
+        do_base = do_ptr + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h
+        do0, do1 = _load(do_base, _offsets(rows, cols, sd_r, sd_c, WIDE), valid, D, D0, D1)
+        l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
+        lse = tl.load(lse_ptr + l_offs, mask=valid, other=0.0)
+        delta = tl.load(delta_ptr + l_offs, mask=valid, other=0.0)
+        k_base = k_ptr + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
+        v_base = v_ptr + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
+        dq0 = tl.zeros([QH * QW, D0], tl.float32)
+        if D1 > 0:
+            dq1 = tl.zeros([QH * QW, D1], tl.float32)
+        n = tl.arange(0, KH * KW)
+        tiles_c = tl.cdiv(hi_c - lo_c, KW)
+        for t in range(0, tl.cdiv(hi_r - lo_r, KH) * tiles_c):
+            r, c = _tile_at(t, lo_r, lo_c, tiles_c, KH, KW)
+            k_r, k_c = r + n // KW, c + n % KW
+            k_in = (k_r < hi_r) & (k_c < hi_c)
+            k0, k1 = _load(k_base, _offsets(k_r - kv_off, k_c, sk_r, sk_c, WIDE), k_in, D, D0, D1)
+            v0, v1 = _load(v_base, _offsets(k_r - kv_off, k_c, sv_r, sv_c, WIDE), k_in, D, D0, D1)
+            s = _products(q0, q1, k0, k1, D1, PRECISION)
+            # (padding queries' rows are never stored and reach no other row)
+            inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
+            p = tl.where(inside, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+            dp = _products(do0, do1, v0, v1, D1, PRECISION)
+            ds = (p * (dp - delta[:, None])).to(k0.dtype)
+            dq0 += tl.dot(ds, k0, input_precision=PRECISION)
+            if D1 > 0:
+                dq1 += tl.dot(ds, k1, input_precision=PRECISION)
+        dq_base = dq_ptr + b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
+        offs = _offsets(rows, cols, sg_r, sg_c, WIDE)
+        if D1 > 0:
+            _store(dq_base, offs, valid, dq0 * sm_scale, dq1 * sm_scale, D, D0, D1)
+        else:
+            _store(dq_base, offs, valid, dq0 * sm_scale, dq0, D, D0, D1)
+
+    @triton.jit
+    def _fna_backward_dkdv(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
+        sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c,
+        heads, hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
+        D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
+        KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    ):  # fmt: skip
+        """dK and dV of one key tile (local rows of the band), over the band's query tiles whose
+        windows reach it; scores computed transposed, (keys, queries). dK and dV share strides."""
+        b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
+        tiles_w = tl.cdiv(w, KW)
+        r0, c0 = (tl.program_id(0) // tiles_w) * KH, (tl.program_id(0) % tiles_w) * KW
+        n = tl.arange(0, KH * KW)
+        k_rows, k_c = r0 + n // KW, c0 + n % KW
+        k_valid = (k_rows < hk) & (k_c < w)
+        k_r = k_rows + kv_off  # global
+        k_base = k_ptr + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
+        v_base = v_ptr + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
+        k0, k1 = _load(k_base, _offsets(k_rows, k_c, sk_r, sk_c, WIDE), k_valid, D, D0, D1)
+        v0, v1 = _load(v_base, _offsets(k_rows, k_c, sv_r, sv_c, WIDE), k_valid, D, D0, D1)
+        # the queries (local rows of the query band) whose windows reach a key of this tile
+        lo_r = tl.maximum(_first_query(r0 + kv_off, half, span_r) - q_off, 0)
+        hi_r = tl.minimum(_last_query(tl.minimum(r0 + KH, hk) - 1 + kv_off, half, grid_rows, span_r) - q_off + 1, hq)
+        lo_c = _first_query(c0, half, span_c)
+        hi_c = _last_query(tl.minimum(c0 + KW, w) - 1, half, w, span_c) + 1
+        q_base = q_ptr + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
+        do_base = do_ptr + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h
+        l_base = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h
+        dk0 = tl.zeros([KH * KW, D0], tl.float32)
+        dv0 = tl.zeros([KH * KW, D0], tl.float32)
+        if D1 > 0:
+            dk1 = tl.zeros([KH * KW, D1], tl.float32)
+            dv1 = tl.zeros([KH * KW, D1], tl.float32)
+        m = tl.arange(0, QH * QW)
+        tiles_c = tl.cdiv(hi_c - lo_c, QW)
+        for t in range(0, tl.cdiv(hi_r - lo_r, QH) * tiles_c):
+            r, c = _tile_at(t, lo_r, lo_c, tiles_c, QH, QW)
+            rows, cols = r + m // QW, c + m % QW
+            q_in = (rows < hi_r) & (cols < hi_c)
+            q0, q1 = _load(q_base, _offsets(rows, cols, sq_r, sq_c, WIDE), q_in, D, D0, D1)
+            do0, do1 = _load(do_base, _offsets(rows, cols, sd_r, sd_c, WIDE), q_in, D, D0, D1)
+            l_offs = l_base + _offsets(rows, cols, sl_r, sl_c, WIDE)
+            lse = tl.load(lse_ptr + l_offs, mask=q_in, other=0.0)
+            delta = tl.load(delta_ptr + l_offs, mask=q_in, other=0.0)
+            ws_r = _window_start(rows + q_off, half, grid_rows, span_r)
+            ws_c = _window_start(cols, half, w, span_c)
+            # (queries not loaded are zeros with lse = delta = 0: they add nothing)
+            inside = _inside(ws_r[None, :], ws_c[None, :], k_r[:, None], k_c[:, None], span_r, span_c)
+            s = _products(k0, k1, q0, q1, D1, PRECISION)  # (keys, queries)
+            p = tl.where(inside, tl.exp2(s * qk_scale - lse[None, :]), 0.0)
+            dp = _products(v0, v1, do0, do1, D1, PRECISION)
+            ds = (p * (dp - delta[None, :])).to(q0.dtype)
+            p = p.to(do0.dtype)
+            dv0 += tl.dot(p, do0, input_precision=PRECISION)
+            dk0 += tl.dot(ds, q0, input_precision=PRECISION)
+            if D1 > 0:
+                dv1 += tl.dot(p, do1, input_precision=PRECISION)
+                dk1 += tl.dot(ds, q1, input_precision=PRECISION)
+        offs = _offsets(k_rows, k_c, sg_r, sg_c, WIDE)
+        bh_g = b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
+        if D1 > 0:
+            _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1)
+            _store(dv_ptr + bh_g, offs, k_valid, dv0, dv1, D, D0, D1)
+        else:
+            _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk0, D, D0, D1)
+            _store(dv_ptr + bh_g, offs, k_valid, dv0, dv0, D, D0, D1)
+
+
+# -- launches -------------------------------------------------------------------------------------
+
+
+class _Geometry(NamedTuple):
+    """The kernels' scalar arguments for one band."""
+
+    heads: int
+    hq: int
+    hk: int
+    w: int
+    q_off: int
+    kv_off: int
+    grid_rows: int
+    half: int
+    span_r: int
+    span_c: int
+
+
+def _geometry(q: Tensor, k: Tensor, kernel: int, q_off: int, kv_off: int, grid_rows: int) -> _Geometry:
+    _, heads, hq, w, _ = q.shape
+    spans = min(kernel, grid_rows), min(kernel, w)
+    return _Geometry(heads, hq, k.shape[2], w, q_off, kv_off, grid_rows, kernel // 2, *spans)
+
+
+def _unit_head_stride(x: Tensor) -> Tensor:
+    """``x`` itself when its head_dim is contiguous (the kernels' loads need it), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x: Tensor) -> tuple[int, int, int, int]:
+    """Strides of a (B, heads, rows, cols[, d]) tensor along batch, head, row, column."""
+    return tuple(x.stride()[:4])  # type: ignore[return-value]
+
+
+def _token_major(like: Tensor, rows: int, dtype: torch.dtype | None = None) -> Tensor:
+    """A (B, heads, rows, W, d) tensor stored as (B, rows, W, heads, d): the layout in which the
+    DiT merges heads for its output projection (a free reshape there)."""
+    b, heads, _, w, d = like.shape
+    return like.new_empty((b, rows, w, heads, d), dtype=dtype).permute(0, 3, 1, 2, 4)
+
+
+def _row_stats(like: Tensor, rows: int) -> Tensor:
+    """Float32 (B, heads, rows, W) per query (lse, delta), stored token-major like the output."""
+    b, heads, _, w, _ = like.shape
+    return like.new_empty((b, rows, w, heads), dtype=torch.float32).permute(0, 3, 1, 2)
+
+
+def _wide(*tensors: Tensor) -> bool:
+    """Some tensor's offsets within one (sample, head) reach 2**31: 64-bit offsets."""
+    return any(sum((n - 1) * s for n, s in zip(t.shape[2:], t.stride()[2:])) >= 2**31 for t in tensors)
+
+
+def _constants(q: Tensor, tiles: Tiles) -> dict:
+    d = q.shape[-1]
+    d0, d1 = head_split(d)
+    return dict(
+        D=d, D0=d0, D1=d1, QH=tiles.qh, QW=tiles.qw, KH=tiles.kh, KW=tiles.kw,
+        PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
+
+
+def _scales(d: int) -> tuple[float, float]:
+    """(softmax scale, the same in log2 units for exp2)."""
+    sm_scale = 1.0 / math.sqrt(d)
+    return sm_scale, sm_scale * math.log2(math.e)
+
+
+@torch.library.custom_op("stormscope::natten_forward", mutates_args=())
+def natten_forward(
+    q: Tensor, k: Tensor, v: Tensor, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int
+) -> tuple[Tensor, Tensor]:
+    """The attention output (B, heads, Hq, W, d), stored token-major, and the float32 log2-sum-exp
+    of each query's scores (B, heads, Hq, W)."""
+    q, k, v = (_unit_head_stride(t) for t in (q, k, v))
+    g = _geometry(q, k, kernel, q_row_offset, kv_row_offset, grid_rows)
+    out, lse = _token_major(q, g.hq), _row_stats(q, g.hq)
+    tiles = _tiles("fwd", q)
+    b = q.shape[0]
+    grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), b * g.heads)
+    _, qk_scale = _scales(q.shape[-1])
+    _fna_forward[grid](
+        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(lse),
+        g.heads, g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale,
+        WIDE=_wide(q, k, v, out), **_constants(q, tiles),
+    )  # fmt: skip
+    return out, lse
+
+
+@natten_forward.register_fake
+def _(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows):
+    return _token_major(q, q.shape[2]), _row_stats(q, q.shape[2])
+
+
+@torch.library.custom_op("stormscope::natten_backward", mutates_args=())
+def natten_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """dQ, dK, dV (stored token-major) from the output's gradient and the forward's out and lse."""
+    grad, q, k, v = (_unit_head_stride(t) for t in (grad, q, k, v))
+    g = _geometry(q, k, kernel, q_row_offset, kv_row_offset, grid_rows)
+    # delta = rowsum(dO * O), stored like lse (the kernels index both with lse's strides)
+    delta = _row_stats(q, g.hq)
+    torch.sum(grad.float() * out.float(), dim=-1, out=delta)
+    dq, dk, dv = _token_major(q, g.hq), _token_major(k, g.hk), _token_major(k, g.hk)
+    b = q.shape[0]
+    sm_scale, qk_scale = _scales(q.shape[-1])
+    scalars = (g.heads, g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale, sm_scale)
+    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(lse))
+    wide = _wide(grad, q, k, v, out, dq, dk)
+    tiles = _tiles("dq", q)
+    grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), b * g.heads)
+    _fna_backward_dq[grid](
+        q, k, v, grad, lse, delta, dq, *common, *_strides(dq), *scalars, WIDE=wide, **_constants(q, tiles)
+    )
+    tiles = _tiles("dkdv", q)
+    grid = (triton.cdiv(g.hk, tiles.kh) * triton.cdiv(g.w, tiles.kw), b * g.heads)
+    _fna_backward_dkdv[grid](
+        q, k, v, grad, lse, delta, dk, dv, *common, *_strides(dk),
+        *scalars[:2], g.hk, *scalars[2:], WIDE=wide, **_constants(q, tiles),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@natten_backward.register_fake
+def _(grad, q, k, v, out, lse, kernel, q_row_offset, kv_row_offset, grid_rows):
+    return _token_major(q, q.shape[2]), _token_major(k, k.shape[2]), _token_major(k, k.shape[2])
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.band = (kernel, q_row_offset, kv_row_offset, grid_rows)
+
+
+def _backward(ctx, grad, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = natten_backward(grad, q, k, v, out, lse, *ctx.band)
+    return dq, dk, dv, None, None, None, None
+
+
+natten_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_neighbourhood_attention(
+    q: Tensor, k: Tensor, v: Tensor, kernel: int, *, q_row_offset: int = 0, kv_row_offset: int = 0, grid_rows: int
+) -> Tensor:
+    """Neighbourhood attention of ``q`` over ``k``/``v`` (checked by the caller, ``natten``): the
+    output (B, heads, Hq, W, d), stored as (B, Hq, W, heads, d)."""
+    return natten_forward(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)[0]

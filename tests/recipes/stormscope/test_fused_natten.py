@@ -1,0 +1,244 @@
+"""The fused neighbourhood-attention kernels (recipes/stormscope/fused_natten.py).
+
+On CPU they run under Triton's interpreter: `.ci/run` runs this file with ``TRITON_INTERPRET=1``
+(set before Triton is imported; the README's suite, without it, runs only the tests that need no
+kernel launch: the fallback, and the kernels' build for a Hopper GPU, which the interpreter never
+does). The ``gpu`` tests run them compiled on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from recipes.stormscope import fused_natten, natten  # noqa: E402
+from recipes.stormscope.dit import DiT, NeighbourhoodAttention  # noqa: E402
+from recipes.stormscope.natten import dense_neighbourhood_attention, kv_rows_needed  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = (["cpu"] if INTERPRETED else []) + [
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")])
+]
+needs_kernels = pytest.mark.skipif(
+    not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1 before Triton's import"
+)
+
+# (rows, cols, heads, head_dim, kernel): heads of 48 (two products: 32 + 16), 16, 24 and 8 (padded
+# to 32 and 16), 64; windows inside the grid, a kernel wider than the grid, a grid narrower than a
+# tile, ragged tiles on both axes
+CASES = [
+    (12, 20, 2, 48, 5),
+    (9, 13, 1, 16, 7),
+    (10, 11, 1, 24, 31),
+    (6, 17, 2, 64, 3),
+    (5, 3, 1, 8, 5),
+]
+
+
+def _qkv(shape, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=dtype) for _ in range(4)]
+
+
+def _values_and_grads(fn, q, k, v, dy):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dy))
+
+
+def _close(got, want, atol, rtol=0.0):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.double().cpu(), b.double().cpu(), atol=atol, rtol=rtol, msg=name)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_fused_equals_dense_attention_forward_and_backward(device, case):
+    rows, cols, heads, dim, kernel = case
+    q, k, v, dy = _qkv((2, heads, rows, cols, dim))
+    want = _values_and_grads(lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel), q, k, v, dy)
+
+    def fused(q, k, v):
+        return fused_natten.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=rows)
+
+    got = _values_and_grads(fused, *(t.float().to(device) for t in (q, k, v, dy)))
+    _close(got, want, atol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", ["8x8/8x8", "8x16/8x8", "16x8/4x16", "2x8/8x2"])
+def test_every_tile_shape_computes_the_same(device, tiles, monkeypatch):
+    # the 16-bit tiles (8 x 8) and others a GPU may measure faster, on ragged grids (float32 here)
+    (qh, qw), (kh, kw) = (map(int, t.split("x")) for t in tiles.split("/"))
+    monkeypatch.setattr(fused_natten, "TILES_FP32", fused_natten.Tiles(qh, qw, kh, kw))
+    rows, cols, heads, dim, kernel = 13, 21, 1, 48, 7
+    q, k, v, dy = _qkv((1, heads, rows, cols, dim), seed=4)
+    want = _values_and_grads(lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel), q, k, v, dy)
+
+    def fused(q, k, v):
+        return fused_natten.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=rows)
+
+    _close(_values_and_grads(fused, *(t.float().to(device) for t in (q, k, v, dy))), want, atol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_bands_with_halos_equal_the_rows_of_the_whole_grid(device):
+    # What domain parallelism runs: each band's queries over its rows plus the halo rows its
+    # windows reach, in global coordinates; edge bands' windows shift inward.
+    rows, cols, kernel = 23, 10, 7
+    q, k, v, dy = (t.float().to(device) for t in _qkv((1, 2, rows, cols, 48), seed=1))
+    whole = _values_and_grads(lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel), q, k, v, dy)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for a, b in [(0, 5), (5, 13), (13, 23)]:
+        lo, hi = kv_rows_needed(a, b, kernel, rows)
+
+        def band(qb, kb, vb):
+            return natten.neighbourhood_attention(
+                qb, kb, vb, kernel, impl="fused", q_row_offset=a, kv_row_offset=lo, grid_rows=rows
+            )
+
+        out, dqb, dkb, dvb = _values_and_grads(band, q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], dy[:, :, a:b])
+        torch.testing.assert_close(out, whole[0][:, :, a:b], atol=2e-5, rtol=0)
+        torch.testing.assert_close(dqb, whole[1][:, :, a:b], atol=2e-5, rtol=0)
+        dk[:, :, lo:hi] += dkb  # the halo rows' gradients go back to their owners
+        dv[:, :, lo:hi] += dvb
+    torch.testing.assert_close(dk, whole[2], atol=2e-5, rtol=0)
+    torch.testing.assert_close(dv, whole[3], atol=2e-5, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_reads_the_projections_views_in_place_and_writes_heads_merged(device):
+    # q, k, v as the DiT makes them: strided views of one (B, rows, cols, 3, heads, d) projection
+    b, rows, cols, heads, dim = 2, 11, 14, 3, 48
+    qkv = torch.randn(b, rows, cols, 3, heads, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    dy = torch.randn(b, heads, rows, cols, dim, dtype=torch.float64)
+    leaf = qkv.float().to(device).requires_grad_()
+    q, k, v = leaf.permute(3, 0, 4, 1, 2, 5)
+    assert not q.is_contiguous()
+    out = fused_natten.fused_neighbourhood_attention(q, k, v, 5, grid_rows=rows)
+    assert out.permute(0, 2, 3, 1, 4).is_contiguous()  # heads merge for the output projection without a copy
+    (grad,) = torch.autograd.grad(out, leaf, dy.float().to(device))
+    ref_leaf = qkv.clone().requires_grad_()
+    ref = dense_neighbourhood_attention(*ref_leaf.permute(3, 0, 4, 1, 2, 5), 5)
+    (ref_grad,) = torch.autograd.grad(ref, ref_leaf, dy)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(grad.double().cpu(), ref_grad, atol=2e-5, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_as_close_as_sdpa_in_the_same_dtype(device, dtype):
+    # products in the inputs' dtype, softmax and sums in float32: no further from the float64
+    # truth than torch's own attention on the same rounded inputs, within a small floor
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter (3.9) multiplies bfloat16 tiles wrongly in tl.dot; the GPU runs this")
+    rows, cols, heads, dim, kernel = 12, 20, 2, 48, 7
+    q, k, v, dy = (t.to(dtype).double() for t in _qkv((2, heads, rows, cols, dim), seed=3))
+    truth = _values_and_grads(lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel), q, k, v, dy)
+    low = [t.to(device=device, dtype=dtype) for t in (q, k, v, dy)]
+    got = _values_and_grads(
+        lambda q, k, v: fused_natten.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=rows), *low
+    )
+    sdpa = _values_and_grads(lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel), *low)
+    for name, a, s, t in zip(("out", "dq", "dk", "dv"), got, sdpa, truth):
+        assert a.dtype == dtype
+        err, err_sdpa = ((x.double().cpu() - t).abs().max().item() for x in (a, s))
+        assert err <= 2 * err_sdpa + 1e-3, f"{name}: {err:.2e} against SDPA's {err_sdpa:.2e}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_attention_block_has_no_graph_break_and_computes_the_same(device):
+    # The kernels are custom ops with a registered backward: dynamo traces a whole DiT attention
+    # (projection, kernels, output projection) as one graph, forward and backward.
+    torch.manual_seed(0)
+    attn = NeighbourhoodAttention(96, 2, kernel=5, impl="fused").to(device)
+    x = torch.randn(2, 9, 12, 96, device=device, requires_grad=True)
+    eager_out = attn(x)
+    eager_grads = torch.autograd.grad(eager_out.square().sum(), [x, *attn.parameters()], allow_unused=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")  # a graph break raises
+    out = compiled(x)
+    grads = torch.autograd.grad(out.square().sum(), [x, *attn.parameters()])
+    torch.testing.assert_close(out, eager_out)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_dit_with_fused_attention_trains_like_the_reference(device):
+    def model(impl):
+        torch.manual_seed(0)
+        m = DiT((16, 24), 3, 2, patch_size=2, hidden_size=64, depth=2, num_heads=2, attn_kernel=5, attn_impl=impl)
+        with torch.no_grad():
+            for p in m.parameters():  # off the zero init, so that every gradient is non-zero
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+        return m.to(device)
+
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, 3, 16, 24, generator=g).to(device), torch.randn(2, generator=g).to(device)
+    outs = []
+    for impl in ("fused", "reference"):
+        m = model(impl)
+        out = m(x, t)
+        out.square().mean().backward()
+        outs.append((out, {n: p.grad for n, p in m.named_parameters()}))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-4)
+    for name, grad in outs[0][1].items():
+        torch.testing.assert_close(grad, outs[1][1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernels on CPU")
+def test_fused_on_cpu_falls_back_to_the_reference_with_a_warning():
+    q, k, v, _ = (t.float() for t in _qkv((1, 2, 7, 9, 16)))
+    natten._warned.discard("fused-fallback")
+    with pytest.warns(UserWarning, match="fused neighbourhood attention unavailable"):
+        out = natten.neighbourhood_attention(q, k, v, 5, impl="fused")
+    torch.testing.assert_close(out, natten.reference_neighbourhood_attention(q, k, v, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        natten.neighbourhood_attention(q, k, v, 5, impl="fused")
+
+
+@pytest.mark.parametrize("dim, split", [(48, (32, 16)), (64, (64, 0)), (80, (64, 16)), (96, (64, 32)),
+                                        (16, (16, 0)), (8, (16, 0)), (24, (32, 0)), (112, (128, 0))])  # fmt: skip
+def test_heads_split_into_products_triton_can_take(dim, split):
+    assert fused_natten.head_split(dim) == split
+    d0, d1 = split
+    assert d0 >= 16 and d0 & (d0 - 1) == 0 and (d1 == 0 or (d1 >= 16 and d1 & (d1 - 1) == 0))
+    assert d0 + d1 >= dim
+
+
+def _ptxas_ships() -> bool:
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return any(os.path.exists(os.path.join(bin_dir, n)) for n in ("ptxas", "ptxas-blackwell"))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
+@pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_cores(dtype):
+    # The interpreter never compiles a kernel: this builds the StormScope layer's three launches
+    # for sm90 as the JIT would on an H200 (benchmarks/kernel_build.py), on any machine.
+    from benchmarks import kernel_build
+
+    calls = kernel_build.launches((128, 160), 16, 48, 31, 4, dtype)
+    assert [c[0].__name__ for c in calls] == list(kernel_build.KERNELS)
+    for kernel, _, args, kw in calls:
+        r = kernel_build.report(kernel, args, kw, 90)
+        assert r["async_loads"] > 0 and r["spill_bytes"] == 0, r  # K/V (or Q/dO) loads pipelined
+        if dtype == torch.bfloat16:
+            assert r["tensor_core"] == "wgmma", r
