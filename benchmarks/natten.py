@@ -7,8 +7,9 @@ one's time and peak memory and their ratios to dense.
     python benchmarks/natten.py --device cpu --grid 16 20 --kernel 7
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16   # StormScope 512x640
 
-flex runs twice: over 8 x 16 token tiles (what the DiT uses) and in row-major token order
-(``flex-rows``), whose 128-token blocks are slivers of one row. ``fused`` is the recipe's Triton
+flex runs as the DiT runs it (``flex``: 64-token blocks of 8 x 8 tiles on Hopper for 16-bit heads
+under 64, else 128-token blocks of 8 x 16), in 128-token blocks (``flex-128``) and in row-major
+token order (``flex-rows``), whose 128-token blocks are slivers of one row. ``fused`` is the recipe's Triton
 kernels (CUDA only); ``--fused-tiles`` adds a run per tile variant (``QHxQW/KHxKW/warps/stages``,
 for the three kernels alike), ``--impls`` picks which run:
 
@@ -130,7 +131,10 @@ def measure(fn, q, k, v, kernel, iters, warmup):
 
 
 IMPLS = {
-    "flex": flex_neighbourhood_attention,  # 8 x 16 token tiles per flex block
+    # flex as the DiT runs it: sparse blocks of natten.auto_block (64 tokens, 8 x 8 tiles, for 16-bit
+    # heads under 64 on Hopper; else 128, 8 x 16)
+    "flex": lambda q, k, v, kernel: flex_neighbourhood_attention(q, k, v, kernel, block=None),
+    "flex-128": flex_neighbourhood_attention,  # 128-token blocks, 8 x 16 tiles
     "flex-rows": lambda q, k, v, kernel: flex_neighbourhood_attention(q, k, v, kernel, tiled=False),
     "reference": reference_neighbourhood_attention,
     "dense": dense_neighbourhood_attention,
@@ -204,10 +208,10 @@ def main(argv=None):
     )
     print(f"keys per query: neighbourhood {min(a.kernel, rows) * min(a.kernel, cols)}, dense {tokens}")
 
-    names = a.impls or ["flex", "flex-rows", "fused", "reference"] + ([] if a.skip_dense else ["dense"])
+    names = a.impls or ["flex", "flex-128", "flex-rows", "fused", "reference"] + ([] if a.skip_dense else ["dense"])
     if device.type != "cuda":  # torch 2.13's CPU flex has no backward, so it cannot run forward+backward
         print("flex, fused: skipped (no flex_attention backward on CPU; the fused kernels need CUDA)")
-        names = [n for n in names if n not in ("flex", "flex-rows", "fused")]
+        names = [n for n in names if not n.startswith(("flex", "fused"))]
     else:
         variants = [f"{t.qh}x{t.qw}/{t.kh}x{t.kw}/{t.warps}/{t.stages}" for t in a.fused_tiles]
         names += [f"fused:{v}" for v in variants]
