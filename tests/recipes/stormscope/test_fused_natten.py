@@ -116,6 +116,38 @@ def test_bands_with_halos_equal_the_rows_of_the_whole_grid(device):
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_bands_of_random_grids_equal_dense_attention(device, seed, monkeypatch):
+    # any grid, kernel (wider than the grid included), band and halo the checks admit; odd seeds
+    # take the 64-bit offsets a sample of 2**31 elements would
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=g))
+
+    grid_rows, cols, kernel = pick(2, 20), pick(1, 19), 2 * pick(0, 6) + 1
+    a = pick(0, grid_rows - 1)
+    b = pick(a + 1, grid_rows)
+    lo, hi = kv_rows_needed(a, b, kernel, grid_rows)
+    lo, hi = pick(0, lo), pick(hi, grid_rows)  # a halo at least as wide as needed
+    if seed % 2:
+        monkeypatch.setattr(fused_natten, "_wide", lambda *tensors: True)
+    q, k, v, dy = _qkv((1, 2, grid_rows, cols, 16), seed=seed)
+    band = dict(q_row_offset=a, kv_row_offset=lo, grid_rows=grid_rows)
+    want = _values_and_grads(
+        lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel, **band),
+        q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], dy[:, :, a:b],
+    )  # fmt: skip
+
+    def fused(q, k, v):
+        return fused_natten.fused_neighbourhood_attention(q, k, v, kernel, **band)
+
+    args = (q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], dy[:, :, a:b])
+    _close(_values_and_grads(fused, *(t.float().to(device) for t in args)), want, atol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
 def test_reads_the_projections_views_in_place_and_writes_heads_merged(device):
     # q, k, v as the DiT makes them: strided views of one (B, rows, cols, 3, heads, d) projection
     b, rows, cols, heads, dim = 2, 11, 14, 3, 48
