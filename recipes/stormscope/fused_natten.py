@@ -509,4 +509,7 @@ def fused_neighbourhood_attention(
 ) -> Tensor:
     """Neighbourhood attention of ``q`` over ``k``/``v`` (checked by the caller, ``natten``): the
     output (B, heads, Hq, W, d), stored as (B, Hq, W, heads, d)."""
+    if not q.dtype == k.dtype == v.dtype:
+        dtypes = f"{q.dtype}, {k.dtype}, {v.dtype}"
+        raise ValueError(f"fused neighbourhood attention needs one dtype for q, k, v; got {dtypes}")
     return natten_forward(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)[0]

@@ -251,6 +251,12 @@ def test_fused_on_cpu_falls_back_to_the_reference_with_a_warning():
         natten.neighbourhood_attention(q, k, v, 5, impl="fused")
 
 
+def test_mixed_dtypes_are_refused_by_name():
+    q, k, v, _ = (t.float() for t in _qkv((1, 1, 4, 4, 16)))
+    with pytest.raises(ValueError, match="one dtype for q, k, v; got torch.float32, torch.bfloat16"):
+        fused_natten.fused_neighbourhood_attention(q, k.bfloat16(), v, 3, grid_rows=4)
+
+
 @pytest.mark.parametrize("dim, split", [(48, (32, 16)), (64, (64, 0)), (80, (64, 16)), (96, (64, 32)),
                                         (16, (16, 0)), (8, (16, 0)), (24, (32, 0)), (112, (128, 0))])  # fmt: skip
 def test_heads_split_into_products_triton_can_take(dim, split):
