@@ -6,7 +6,9 @@ registers or miss the software pipelining on the GPU. This script takes the laun
 makes (CPU tensors of the chosen size, recorded instead of launched), specialises their arguments
 as Triton's JIT would on a GPU (16-aligned pointers, integers divisible by 16, integers equal to 1),
 compiles each kernel for the target with Triton's own ptxas, and prints per kernel: registers,
-spilled bytes, shared memory, and how many loads became asynchronous copies (pipelined).
+spilled bytes, shared memory, how many loads became asynchronous copies (pipelined), and the PTX
+instructions of its inner loop per score. At head dim 48 the softmax and masking arithmetic, not
+the products, sets these kernels' pace, so the last figure is the one to lower.
 
     python benchmarks/kernel_build.py                                   # StormScope's layer, bf16, sm90
     python benchmarks/kernel_build.py --grid 128 160 --heads 16 --head-dim 48 --tiles 8x16/8x8/8/3
@@ -119,6 +121,7 @@ def report(kernel, args, kw, arch: int) -> dict:
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spills = re.search(r"(\d+) bytes spill stores", out.stderr)
     ttgir = compiled.asm["ttgir"]
+    tiles = kw["QH"] * kw["QW"] * kw["KH"] * kw["KW"]  # scores per loop iteration
     return {
         "kernel": kernel.__name__,
         "registers": int(regs.group(1)) if regs else None,
@@ -127,20 +130,30 @@ def report(kernel, args, kw, arch: int) -> dict:
         "async_loads": ttgir.count("async_copy_global_to_local"),
         # Hopper's warp-group MMA, the older per-warp MMA, or none (float32 "ieee" products run on FMAs)
         "tensor_core": "wgmma" if "warp_group_dot" in ttgir else ("mma" if "nvidia_mma" in ttgir else "none"),
+        "instructions_per_score": loop_instructions(compiled.asm["ptx"]) * 32 * options["num_warps"] / tiles,
         **options,
     }
 
 
+def loop_instructions(ptx: str) -> int:
+    """PTX instructions of the inner loop, per thread: of the spans from a label to a branch back
+    to it, the one with the most matrix products."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\$L__\w+):", line))}
+    loops = [
+        lines[labels[m.group(1)] : i]
+        for i, line in enumerate(lines)
+        if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)) and labels.get(m.group(1), i) < i
+    ]
+    body = max(loops, key=lambda span: sum("mma" in line for line in span))
+    return sum(1 for line in body if re.match(r"\s+(@!?%p\d+\s+)?[a-z]", line))
+
+
 def parse_tiles(text: str) -> fused_natten.Tiles:
-    """``QHxQW/KHxKW/warps/stages`` (warps and stages optional)."""
-    parts = text.split("/")
     try:
-        qh, qw = (int(x) for x in parts[0].split("x"))
-        kh, kw = (int(x) for x in parts[1].split("x"))
-        rest = [int(x) for x in parts[2:]]
-    except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"tiles must read QHxQW/KHxKW[/warps[/stages]], got {text!r}") from None
-    return fused_natten.Tiles(qh, qw, kh, kw, *rest)
+        return fused_natten.Tiles.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None) -> list:
@@ -173,17 +186,18 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
-    p.add_argument("--tiles", type=parse_tiles, nargs="*", default=[None], help="QHxQW/KHxKW[/warps[/stages]]")
+    p.add_argument("--tiles", type=parse_tiles, nargs="*", default=[None], help="QHxQW/KHxKW[/warps[/stages[/pad]]]")
     a = p.parse_args(argv)
     for tiles in a.tiles:
-        label = "the defaults" if tiles is None else "{}x{}/{}x{}/{}/{}".format(*tiles)
+        label = "the defaults" if tiles is None else str(tiles)
         print(f"tiles {label}: sm{a.arch}, {a.dtype}, grid {a.grid[0]}x{a.grid[1]}, {a.heads} heads of {a.head_dim}")
         for kernel, _, args, kw in launches(a.grid, a.heads, a.head_dim, a.kernel, a.batch, DTYPES[a.dtype], tiles):
             r = report(kernel, args, kw, a.arch)
             print(
                 f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled, "
                 f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, {r['async_loads']} async loads, "
-                f"{r['tensor_core']}, {r.get('num_warps')} warps, {r.get('num_stages')} stages"
+                f"{r['tensor_core']}, {r.get('num_warps')} warps, {r.get('num_stages')} stages, "
+                f"{r['instructions_per_score']:.1f} instructions/score"
             )
 
 

@@ -9,9 +9,10 @@ one's time and peak memory and their ratios to dense.
 
 flex runs as the DiT runs it (``flex``: 64-token blocks of 8 x 8 tiles on Hopper for 16-bit heads
 under 64, else 128-token blocks of 8 x 16), in 128-token blocks (``flex-128``) and in row-major
-token order (``flex-rows``), whose 128-token blocks are slivers of one row. ``fused`` is the recipe's Triton
-kernels (CUDA only); ``--fused-tiles`` adds a run per tile variant (``QHxQW/KHxKW/warps/stages``,
-for the three kernels alike), ``--impls`` picks which run:
+token order (``flex-rows``), whose 128-token blocks are slivers of one row. ``fused`` is the
+recipe's Triton kernels (CUDA only); ``--fused-tiles`` adds a run per tile variant
+(``QHxQW/KHxKW/warps/stages``, and ``/pad`` for heads padded to a power of two rather than
+split; for the three kernels alike), ``--impls`` picks which run:
 
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16 --batch 4 \
         --impls flex fused --fused-tiles 8x16/8x8/8/3 8x8/8x8/4/3
@@ -143,13 +144,10 @@ IMPLS = {
 
 
 def _fused_tiles(text: str) -> fused_natten.Tiles:
-    """``QHxQW/KHxKW[/warps[/stages]]``."""
-    parts = text.split("/")
     try:
-        (qh, qw), (kh, kw) = ([int(x) for x in p.split("x")] for p in parts[:2])
-        return fused_natten.Tiles(qh, qw, kh, kw, *(int(x) for x in parts[2:]))
-    except (ValueError, TypeError):
-        raise argparse.ArgumentTypeError(f"tiles must read QHxQW/KHxKW[/warps[/stages]], got {text!r}") from None
+        return fused_natten.Tiles.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run_one(a, name) -> None:
@@ -162,9 +160,9 @@ def run_one(a, name) -> None:
         torch.randn(a.batch, a.heads, *a.grid, a.head_dim, device=device, dtype=DTYPES[a.dtype], requires_grad=True)
         for _ in range(3)
     )
-    if ":" in name:  # fused:QHxQW/KHxKW/warps/stages
+    if ":" in name:  # fused:QHxQW/KHxKW/warps/stages[/pad]
         name, tiles = name.split(":", 1)
-        t16 = _fused_tiles(tiles)
+        t16 = fused_natten.Tiles.parse(tiles)
         fused_natten.TILES.update(fwd=t16, dq=t16, dkdv=t16)
     try:
         t, m, f = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
@@ -213,8 +211,7 @@ def main(argv=None):
         print("flex, fused: skipped (no flex_attention backward on CPU; the fused kernels need CUDA)")
         names = [n for n in names if not n.startswith(("flex", "fused"))]
     else:
-        variants = [f"{t.qh}x{t.qw}/{t.kh}x{t.kw}/{t.warps}/{t.stages}" for t in a.fused_tiles]
-        names += [f"fused:{v}" for v in variants]
+        names += [f"fused:{t}" for t in a.fused_tiles]
     results = {}
     for name in names:  # one process each: clean peaks, and an OOM (even the kernel's) cannot take us down
         cmd = [sys.executable, __file__, *_strip_lists(argv), "--only", name]

@@ -2,9 +2,9 @@
 
 Why hand-written: flex_attention runs the DiT's 31 x 31 windows as sparse blocks of a fixed
 token order (``natten.flex_neighbourhood_attention``). On an H200 that was 59% of the StormScope
-step (docs/benchmarks.md, run 13): of the scores it computes ~56% fall inside a window, heads of
-48 are padded to 64, its mask_mod decodes each token's tile position with integer division, and
-q, k, v, the output and their gradients are copied into and out of the tiled order.
+step (docs/benchmarks.md, run 13): heads of 48 are padded to 64 in its products, its mask_mod
+decodes each token's tile position with integer division, and q, k, v, the output and their
+gradients are copied into and out of the tiled order.
 
 These kernels take (B, heads, rows, cols, head_dim) tensors with any strides (the projection's
 own output: no copies), with unit stride along head_dim. Each program owns a 2-D tile of
@@ -50,7 +50,9 @@ def available(q: Tensor) -> bool:
 
 
 class Tiles(NamedTuple):
-    """One kernel's tiles: queries ``qh x qw`` tokens, keys ``kh x kw``; its warps and stages."""
+    """One kernel's tiles: queries ``qh x qw`` tokens, keys ``kh x kw``; its warps and stages;
+    ``split``: heads whose width is no power of two as two products (48: 32 + 16) rather than one
+    padded (48: 64; fewer instructions per tile, more tensor-core work)."""
 
     qh: int
     qw: int
@@ -58,11 +60,29 @@ class Tiles(NamedTuple):
     kw: int
     warps: int = 4
     stages: int = 2
+    split: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> Tiles:
+        """From ``QHxQW/KHxKW[/warps[/stages[/pad]]]`` (the benchmarks' notation; ``pad``: no split)."""
+        parts = text.split("/")
+        try:
+            (qh, qw), (kh, kw) = ([int(x) for x in p.split("x")] for p in parts[:2])
+            numbers = [int(x) for x in parts[2:4]]
+        except ValueError:
+            numbers = None
+        if numbers is None or len(parts) > 5 or parts[4:] not in ([], ["pad"]):
+            raise ValueError(f"tiles must read QHxQW/KHxKW[/warps[/stages[/pad]]], got {text!r}")
+        return cls(qh, qw, kh, kw, *numbers, split=parts[4:] != ["pad"])
+
+    def __str__(self) -> str:
+        return f"{self.qh}x{self.qw}/{self.kh}x{self.kw}/{self.warps}/{self.stages}" + ("" if self.split else "/pad")
 
 
 # 16-bit tiles of 8 x 8 tokens: a query tile's windows (kernel 31) span 38 x 38 keys, covered by
-# 5 x 5 key tiles, so ~60% of the computed scores are inside a window (flex's 64-token blocks:
-# ~50%). Chosen by that count and by their build for sm90 (no spills, pipelined loads:
+# 5 x 5 key tiles; at the preset's 128 x 160 tokens 65.9% of the computed scores are inside a
+# window, as with flex's 64-token blocks (8 x 16 tiles: 56.4%). Chosen by that count and by
+# their build for sm90 (no spills, pipelined loads:
 # benchmarks/kernel_build.py), not yet by a measurement: benchmarks/natten.py --fused-tiles
 # compares others on a GPU.
 TILES = {
@@ -79,12 +99,14 @@ def _tiles(name: str, q: Tensor) -> Tiles:
     return TILES_FP32 if q.dtype == torch.float32 else TILES[name]
 
 
-def head_split(d: int) -> tuple[int, int]:
+def head_split(d: int, split: bool = True) -> tuple[int, int]:
     """``head_dim`` as the widths of two dot products, each a power of two >= 16 (Triton's
     minimum) or zero: 48 -> (32, 16), 64 -> (64, 0), 80 -> (64, 16); widths no such pair sums to
-    are padded (24 -> (32, 0), 8 -> (16, 0))."""
+    are padded (24 -> (32, 0), 8 -> (16, 0)), as are all without ``split`` (48 -> (64, 0))."""
     p = 1 << (d.bit_length() - 1)
     rest = d - p
+    if not split and rest:
+        return 2 * p, 0
     if rest == 0:
         return max(p, 16), 0
     if rest >= 16 and rest & (rest - 1) == 0:
@@ -412,7 +434,7 @@ def _wide(*tensors: Tensor) -> bool:
 
 def _constants(q: Tensor, tiles: Tiles) -> dict:
     d = q.shape[-1]
-    d0, d1 = head_split(d)
+    d0, d1 = head_split(d, tiles.split)
     return dict(
         D=d, D0=d0, D1=d1, QH=tiles.qh, QW=tiles.qw, KH=tiles.kh, KW=tiles.kw,
         PRECISION="ieee" if q.dtype == torch.float32 else None,

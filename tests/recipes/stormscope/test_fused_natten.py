@@ -73,11 +73,11 @@ def test_fused_equals_dense_attention_forward_and_backward(device, case):
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tiles", ["8x8/8x8", "8x16/8x8", "16x8/4x16", "2x8/8x2"])
+@pytest.mark.parametrize("tiles", ["8x8/8x8", "8x16/8x8", "16x8/4x16", "2x8/8x2", "8x8/8x8/4/2/pad"])
 def test_every_tile_shape_computes_the_same(device, tiles, monkeypatch):
-    # the 16-bit tiles (8 x 8) and others a GPU may measure faster, on ragged grids (float32 here)
-    (qh, qw), (kh, kw) = (map(int, t.split("x")) for t in tiles.split("/"))
-    monkeypatch.setattr(fused_natten, "TILES_FP32", fused_natten.Tiles(qh, qw, kh, kw))
+    # the 16-bit tiles (8 x 8) and others a GPU may measure faster, on ragged grids, heads of 48
+    # split (32 + 16) or padded (64) (float32 here)
+    monkeypatch.setattr(fused_natten, "TILES_FP32", fused_natten.Tiles.parse(tiles))
     rows, cols, heads, dim, kernel = 13, 21, 1, 48, 7
     q, k, v, dy = _qkv((1, heads, rows, cols, dim), seed=4)
     want = _values_and_grads(lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel), q, k, v, dy)
@@ -264,6 +264,17 @@ def test_heads_split_into_products_triton_can_take(dim, split):
     d0, d1 = split
     assert d0 >= 16 and d0 & (d0 - 1) == 0 and (d1 == 0 or (d1 >= 16 and d1 & (d1 - 1) == 0))
     assert d0 + d1 >= dim
+    padded = fused_natten.head_split(dim, split=False)
+    assert padded[1] == 0 and padded[0] >= dim and padded[0] & (padded[0] - 1) == 0
+
+
+def test_tiles_read_the_benchmarks_notation_and_name_what_is_wrong():
+    assert fused_natten.Tiles.parse("8x16/8x8/8/3/pad") == fused_natten.Tiles(8, 16, 8, 8, 8, 3, split=False)
+    assert str(fused_natten.Tiles.parse("8x16/8x8/8/3/pad")) == "8x16/8x8/8/3/pad"
+    assert fused_natten.Tiles.parse("4x8/4x8") == fused_natten.Tiles(4, 8, 4, 8)
+    for bad in ("8x8", "8x8/8", "8x8/8x8/4/3/x", "8x8/8x8/four"):
+        with pytest.raises(ValueError, match=f"QHxQW/KHxKW.*got '{bad}'"):
+            fused_natten.Tiles.parse(bad)
 
 
 def _ptxas_ships() -> bool:
