@@ -6,7 +6,7 @@ registers or miss the software pipelining on the GPU. This script takes the laun
 makes (CPU tensors of the chosen size, recorded instead of launched), specialises their arguments
 as Triton's JIT would on a GPU (16-aligned pointers, integers divisible by 16, integers equal to 1),
 compiles each kernel for the target with Triton's own ptxas, and prints per kernel: registers,
-spilled bytes, shared memory, how many loads became asynchronous copies (pipelined), and the PTX
+spilled bytes, shared memory, how many loads became asynchronous copies (cp.async or TMA: pipelined), and the PTX
 instructions of its inner loop per score. At head dim 48 the softmax and masking arithmetic, not
 the products, sets these kernels' pace, so the last figure is the one to lower.
 
@@ -79,6 +79,9 @@ def source(kernel, args, kw):
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + _TYPES[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif type(value).__name__ == "TensorDescriptor":  # a host-side TMA descriptor
+            block = ",".join(map(str, value.block_shape))
+            signature[name] = f"tensordesc<{_TYPES[value.base.dtype]}[{block}]>"
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int):
@@ -127,7 +130,8 @@ def report(kernel, args, kw, arch: int) -> dict:
         "registers": int(regs.group(1)) if regs else None,
         "spill_bytes": int(spills.group(1)) if spills else None,
         "shared_bytes": compiled.metadata.shared,
-        "async_loads": ttgir.count("async_copy_global_to_local"),
+        "async_loads": ttgir.count("async_copy_global_to_local"),  # cp.async, pipelined
+        "tma_loads": ttgir.count("async_tma_copy_global_to_local"),  # the copy engine's, pipelined
         # Hopper's warp-group MMA, the older per-warp MMA, or none (float32 "ieee" products run on FMAs)
         "tensor_core": "wgmma" if "warp_group_dot" in ttgir else ("mma" if "nvidia_mma" in ttgir else "none"),
         "instructions_per_score": loop_instructions(compiled.asm["ptx"]) * 32 * options["num_warps"] / tiles,
@@ -186,7 +190,9 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
-    p.add_argument("--tiles", type=parse_tiles, nargs="*", default=[None], help="QHxQW/KHxKW[/warps[/stages[/pad]]]")
+    p.add_argument(
+        "--tiles", type=parse_tiles, nargs="*", default=[None], help="QHxQW/KHxKW[/warps[/stages]][/pad][/tma]"
+    )
     a = p.parse_args(argv)
     for tiles in a.tiles:
         label = "the defaults" if tiles is None else str(tiles)
@@ -195,7 +201,7 @@ def main(argv=None) -> None:
             r = report(kernel, args, kw, a.arch)
             print(
                 f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled, "
-                f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, {r['async_loads']} async loads, "
+                f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, {r['async_loads']} async + {r['tma_loads']} TMA loads, "
                 f"{r['tensor_core']}, {r.get('num_warps')} warps, {r.get('num_stages')} stages, "
                 f"{r['instructions_per_score']:.1f} instructions/score"
             )

@@ -39,6 +39,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: natten falls back to the reference implementation
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # (Triton before 3.3, or none): pointer loads only
+    _TensorDescriptor = None
 
 
 def available(q: Tensor) -> bool:
@@ -61,22 +65,31 @@ class Tiles(NamedTuple):
     warps: int = 4
     stages: int = 2
     split: bool = True
+    tma: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
-        """From ``QHxQW/KHxKW[/warps[/stages[/pad]]]`` (the benchmarks' notation; ``pad``: no split)."""
+        """From ``QHxQW/KHxKW[/warps[/stages]][/pad][/tma]`` (the benchmarks' notation; ``pad``: no
+        split, ``tma``: the loop's tiles through tensor descriptors)."""
         parts = text.split("/")
+        flags = [p for p in parts[2:] if p in ("pad", "tma")]
         try:
             (qh, qw), (kh, kw) = ([int(x) for x in p.split("x")] for p in parts[:2])
-            numbers = [int(x) for x in parts[2:4]]
+            numbers = [int(x) for x in parts[2 : len(parts) - len(flags)]]
         except ValueError:
             numbers = None
-        if numbers is None or len(parts) > 5 or parts[4:] not in ([], ["pad"]):
-            raise ValueError(f"tiles must read QHxQW/KHxKW[/warps[/stages[/pad]]], got {text!r}")
-        return cls(qh, qw, kh, kw, *numbers, split=parts[4:] != ["pad"])
+        if (
+            numbers is None
+            or len(numbers) > 2
+            or len(set(flags)) < len(flags)
+            or parts[len(parts) - len(flags) :] != flags
+        ):
+            raise ValueError(f"tiles must read QHxQW/KHxKW[/warps[/stages]][/pad][/tma], got {text!r}")
+        return cls(qh, qw, kh, kw, *numbers, split="pad" not in flags, tma="tma" in flags)
 
     def __str__(self) -> str:
-        return f"{self.qh}x{self.qw}/{self.kh}x{self.kw}/{self.warps}/{self.stages}" + ("" if self.split else "/pad")
+        flags = ("" if self.split else "/pad") + ("/tma" if self.tma else "")
+        return f"{self.qh}x{self.qw}/{self.kh}x{self.kw}/{self.warps}/{self.stages}{flags}"
 
 
 # 16-bit tiles of 8 x 8 tokens: a query tile's windows (kernel 31) span 38 x 38 keys, covered by
@@ -156,6 +169,28 @@ if triton is not None:
         return x0, x1
 
     @triton.jit
+    def _tile(
+        src, src1, b, h, r, c, rows, cols, valid, s_b, s_h, s_r, s_c,
+        D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+        TMA: tl.constexpr, WIDE: tl.constexpr,
+    ):  # fmt: skip
+        """The (TH * TW, head_dim) tile of tokens ``rows`` x ``cols`` (corner ``r``, ``c``) of
+        sample ``b``, head ``h``, as two column blocks. With TMA, ``src`` and ``src1`` are tensor
+        descriptors (blocks of D0 and D1 columns): the copy engine computes the addresses and
+        fills what lies outside the tensor with zeros (tokens outside the windows, never scored);
+        else ``src`` is the tensor's pointer, loaded where ``valid``."""
+        if TMA:  # (an if/else: Triton compiles what follows a return in a static branch)
+            x0 = src.load([b, h, r, c, 0]).reshape([TH * TW, D0])
+            if D1 > 0:
+                x1 = src1.load([b, h, r, c, D0]).reshape([TH * TW, D1])
+            else:
+                x1 = x0
+        else:
+            base = src + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
+            x0, x1 = _load(base, _offsets(rows, cols, s_r, s_c, WIDE), valid, D, D0, D1)
+        return x0, x1
+
+    @triton.jit
     def _store(base, offs, valid, x0, x1, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
         offs = offs[:, None]
         d0 = tl.arange(0, D0)
@@ -209,20 +244,18 @@ if triton is not None:
 
     @triton.jit
     def _fna_forward(
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+        q_ptr, k_src, k_src1, v_src, v_src1, o_ptr, lse_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c,
         heads, hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
-        KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+        KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
         b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
         rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
             hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
         )
         q_base = q_ptr + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
-        k_base = k_ptr + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
-        v_base = v_ptr + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
         q0, q1 = _load(q_base, _offsets(rows, cols, sq_r, sq_c, WIDE), valid, D, D0, D1)
         m_i = tl.full([QH * QW], float("-inf"), tl.float32)
         l_i = tl.zeros([QH * QW], tl.float32)
@@ -235,7 +268,10 @@ if triton is not None:
             r, c = _tile_at(t, lo_r, lo_c, tiles_c, KH, KW)
             k_r, k_c = r + n // KW, c + n % KW
             k_in = (k_r < hi_r) & (k_c < hi_c)  # the union's keys lie in the band (natten checks)
-            k0, k1 = _load(k_base, _offsets(k_r - kv_off, k_c, sk_r, sk_c, WIDE), k_in, D, D0, D1)
+            k0, k1 = _tile(
+                k_src, k_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sk_b, sk_h, sk_r, sk_c,
+                D, D0, D1, KH, KW, TMA, WIDE,
+            )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)  # unscaled: the scale joins exp2's argument
             inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
             s = tl.where(inside, s, float("-inf"))
@@ -244,7 +280,10 @@ if triton is not None:
             p = tl.exp2(s * qk_scale - m_use[:, None])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v0, v1 = _load(v_base, _offsets(k_r - kv_off, k_c, sv_r, sv_c, WIDE), k_in, D, D0, D1)
+            v0, v1 = _tile(
+                v_src, v_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sv_b, sv_h, sv_r, sv_c,
+                D, D0, D1, KH, KW, TMA, WIDE,
+            )  # fmt: skip
             p = p.to(v0.dtype)
             acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision=PRECISION)
             if D1 > 0:
@@ -262,12 +301,12 @@ if triton is not None:
 
     @triton.jit
     def _fna_backward_dq(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+        q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c,
         heads, hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
-        KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+        KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
         """dQ of one query tile: the forward's loop, recomputing the probabilities from the lse."""
         b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
@@ -281,8 +320,6 @@ if triton is not None:
         l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
         lse = tl.load(lse_ptr + l_offs, mask=valid, other=0.0)
         delta = tl.load(delta_ptr + l_offs, mask=valid, other=0.0)
-        k_base = k_ptr + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
-        v_base = v_ptr + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
         dq0 = tl.zeros([QH * QW, D0], tl.float32)
         if D1 > 0:
             dq1 = tl.zeros([QH * QW, D1], tl.float32)
@@ -292,8 +329,14 @@ if triton is not None:
             r, c = _tile_at(t, lo_r, lo_c, tiles_c, KH, KW)
             k_r, k_c = r + n // KW, c + n % KW
             k_in = (k_r < hi_r) & (k_c < hi_c)
-            k0, k1 = _load(k_base, _offsets(k_r - kv_off, k_c, sk_r, sk_c, WIDE), k_in, D, D0, D1)
-            v0, v1 = _load(v_base, _offsets(k_r - kv_off, k_c, sv_r, sv_c, WIDE), k_in, D, D0, D1)
+            k0, k1 = _tile(
+                k_src, k_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sk_b, sk_h, sk_r, sk_c,
+                D, D0, D1, KH, KW, TMA, WIDE,
+            )  # fmt: skip
+            v0, v1 = _tile(
+                v_src, v_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sv_b, sv_h, sv_r, sv_c,
+                D, D0, D1, KH, KW, TMA, WIDE,
+            )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)
             # (padding queries' rows are never stored and reach no other row)
             inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
@@ -312,12 +355,12 @@ if triton is not None:
 
     @triton.jit
     def _fna_backward_dkdv(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c,
         heads, hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
-        KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+        KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
         """dK and dV of one key tile (local rows of the band), over the band's query tiles whose
         windows reach it; scores computed transposed, (keys, queries). dK and dV share strides."""
@@ -337,8 +380,6 @@ if triton is not None:
         hi_r = tl.minimum(_last_query(tl.minimum(r0 + KH, hk) - 1 + kv_off, half, grid_rows, span_r) - q_off + 1, hq)
         lo_c = _first_query(c0, half, span_c)
         hi_c = _last_query(tl.minimum(c0 + KW, w) - 1, half, w, span_c) + 1
-        q_base = q_ptr + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
-        do_base = do_ptr + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h
         l_base = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h
         dk0 = tl.zeros([KH * KW, D0], tl.float32)
         dv0 = tl.zeros([KH * KW, D0], tl.float32)
@@ -351,8 +392,13 @@ if triton is not None:
             r, c = _tile_at(t, lo_r, lo_c, tiles_c, QH, QW)
             rows, cols = r + m // QW, c + m % QW
             q_in = (rows < hi_r) & (cols < hi_c)
-            q0, q1 = _load(q_base, _offsets(rows, cols, sq_r, sq_c, WIDE), q_in, D, D0, D1)
-            do0, do1 = _load(do_base, _offsets(rows, cols, sd_r, sd_c, WIDE), q_in, D, D0, D1)
+            # (with TMA, tokens of the query band past the range load: their windows miss the tile)
+            q0, q1 = _tile(
+                q_src, q_src1, b, h, r, c, rows, cols, q_in, sq_b, sq_h, sq_r, sq_c, D, D0, D1, QH, QW, TMA, WIDE
+            )
+            do0, do1 = _tile(
+                do_src, do_src1, b, h, r, c, rows, cols, q_in, sd_b, sd_h, sd_r, sd_c, D, D0, D1, QH, QW, TMA, WIDE
+            )
             l_offs = l_base + _offsets(rows, cols, sl_r, sl_c, WIDE)
             lse = tl.load(lse_ptr + l_offs, mask=q_in, other=0.0)
             delta = tl.load(delta_ptr + l_offs, mask=q_in, other=0.0)
@@ -442,6 +488,26 @@ def _constants(q: Tensor, tiles: Tiles) -> dict:
     )  # fmt: skip
 
 
+def _use_tma(tiles: Tiles, *tensors: Tensor) -> bool:
+    """Load ``tensors``' tiles through tensor descriptors (Hopper's copy engine)? Where ``tiles``
+    ask, Triton has host descriptors and each tensor meets TMA's alignment (16-byte base and
+    strides); otherwise by pointers."""
+    if not tiles.tma or _TensorDescriptor is None:
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+
+
+def _sources(t: Tensor, th: int, tw: int, tiles: Tiles, tma: bool) -> tuple:
+    """What a kernel reads ``t``'s (th x tw)-token tiles from: two descriptors (the head's two
+    column blocks) with TMA, else the tensor twice (its pointer; the second unused)."""
+    if not tma:
+        return t, t
+    d0, d1 = head_split(t.shape[-1], tiles.split)
+    shape, strides = list(t.shape), list(t.stride())
+    # (a zero-width second block would be refused: D1 == 0 never reads it, so the first stands in)
+    return tuple(_TensorDescriptor(t, shape, strides, [1, 1, th, tw, w]) for w in (d0, d1 or d0))
+
+
 def _scales(d: int) -> tuple[float, float]:
     """(softmax scale, the same in log2 units for exp2)."""
     sm_scale = 1.0 / math.sqrt(d)
@@ -461,10 +527,12 @@ def natten_forward(
     b = q.shape[0]
     grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), b * g.heads)
     _, qk_scale = _scales(q.shape[-1])
+    tma = _use_tma(tiles, k, v)
+    sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
     _fna_forward[grid](
-        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(lse),
+        q, *sources, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(lse),
         g.heads, g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale,
-        WIDE=_wide(q, k, v, out), **_constants(q, tiles),
+        WIDE=_wide(q, k, v, out), TMA=tma, **_constants(q, tiles),
     )  # fmt: skip
     return out, lse
 
@@ -493,14 +561,19 @@ def natten_backward(
     wide = _wide(grad, q, k, v, out, dq, dk)
     tiles = _tiles("dq", q)
     grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), b * g.heads)
+    tma = _use_tma(tiles, k, v)
+    sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
     _fna_backward_dq[grid](
-        q, k, v, grad, lse, delta, dq, *common, *_strides(dq), *scalars, WIDE=wide, **_constants(q, tiles)
-    )
+        q, *sources, grad, lse, delta, dq, *common, *_strides(dq), *scalars, WIDE=wide, TMA=tma,
+        **_constants(q, tiles),
+    )  # fmt: skip
     tiles = _tiles("dkdv", q)
     grid = (triton.cdiv(g.hk, tiles.kh) * triton.cdiv(g.w, tiles.kw), b * g.heads)
+    tma = _use_tma(tiles, q, grad)
+    q_sources, grad_sources = (_sources(t, tiles.qh, tiles.qw, tiles, tma) for t in (q, grad))
     _fna_backward_dkdv[grid](
-        q, k, v, grad, lse, delta, dk, dv, *common, *_strides(dk),
-        *scalars[:2], g.hk, *scalars[2:], WIDE=wide, **_constants(q, tiles),
+        *q_sources, k, v, *grad_sources, lse, delta, dk, dv, *common, *_strides(dk),
+        *scalars[:2], g.hk, *scalars[2:], WIDE=wide, TMA=tma, **_constants(q, tiles),
     )  # fmt: skip
     return dq, dk, dv
 

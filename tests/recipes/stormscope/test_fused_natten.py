@@ -73,11 +73,16 @@ def test_fused_equals_dense_attention_forward_and_backward(device, case):
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tiles", ["8x8/8x8", "8x16/8x8", "16x8/4x16", "2x8/8x2", "8x8/8x8/4/2/pad"])
+@pytest.mark.parametrize(
+    "tiles",
+    ["8x8/8x8", "8x16/8x8", "16x8/4x16", "2x8/8x2", "8x8/8x8/4/2/pad", "8x8/8x8/4/2/tma", "4x8/8x4/4/2/pad/tma"],
+)
 def test_every_tile_shape_computes_the_same(device, tiles, monkeypatch):
     # the 16-bit tiles (8 x 8) and others a GPU may measure faster, on ragged grids, heads of 48
-    # split (32 + 16) or padded (64) (float32 here)
+    # split (32 + 16) or padded (64), loaded by pointers or through tensor descriptors (float32 here)
     monkeypatch.setattr(fused_natten, "TILES_FP32", fused_natten.Tiles.parse(tiles))
+    if "tma" in tiles and fused_natten._TensorDescriptor is None:
+        pytest.skip("this Triton has no tensor descriptors")
     rows, cols, heads, dim, kernel = 13, 21, 1, 48, 7
     q, k, v, dy = _qkv((1, heads, rows, cols, dim), seed=4)
     want = _values_and_grads(lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel), q, k, v, dy)
@@ -270,11 +275,24 @@ def test_heads_split_into_products_triton_can_take(dim, split):
 
 def test_tiles_read_the_benchmarks_notation_and_name_what_is_wrong():
     assert fused_natten.Tiles.parse("8x16/8x8/8/3/pad") == fused_natten.Tiles(8, 16, 8, 8, 8, 3, split=False)
-    assert str(fused_natten.Tiles.parse("8x16/8x8/8/3/pad")) == "8x16/8x8/8/3/pad"
+    assert str(fused_natten.Tiles.parse("8x16/8x8/8/3/pad/tma")) == "8x16/8x8/8/3/pad/tma"
     assert fused_natten.Tiles.parse("4x8/4x8") == fused_natten.Tiles(4, 8, 4, 8)
-    for bad in ("8x8", "8x8/8", "8x8/8x8/4/3/x", "8x8/8x8/four"):
+    assert fused_natten.Tiles.parse("4x8/4x8/tma") == fused_natten.Tiles(4, 8, 4, 8, tma=True)
+    for bad in ("8x8", "8x8/8", "8x8/8x8/4/3/x", "8x8/8x8/four", "8x8/8x8/tma/4", "8x8/8x8/4/2/1"):
         with pytest.raises(ValueError, match=f"QHxQW/KHxKW.*got '{bad}'"):
             fused_natten.Tiles.parse(bad)
+
+
+@pytest.mark.skipif(fused_natten._TensorDescriptor is None, reason="this Triton has no tensor descriptors")
+def test_tensor_descriptors_only_where_asked_and_aligned():
+    tma = fused_natten.Tiles(8, 8, 8, 8, tma=True)
+    x = torch.zeros(2, 2, 6, 10, 48, dtype=torch.bfloat16)
+    assert fused_natten._use_tma(tma, x, x[:, :, 2:])  # rows of 960 bytes: aligned
+    assert not fused_natten._use_tma(fused_natten.Tiles(8, 8, 8, 8), x)  # not asked
+    odd = torch.zeros(2, 2, 6, 10, 44, dtype=torch.bfloat16)
+    assert not fused_natten._use_tma(tma, odd)  # 88-byte token stride
+    shifted = torch.zeros(2 * 2 * 6 * 10 * 48 + 4, dtype=torch.bfloat16)[4:].view(2, 2, 6, 10, 48)
+    assert not fused_natten._use_tma(tma, shifted)  # base 8 bytes past 16-byte alignment
 
 
 def _ptxas_ships() -> bool:
@@ -286,16 +304,21 @@ def _ptxas_ships() -> bool:
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
 @pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_cores(dtype):
+@pytest.mark.parametrize(
+    "dtype, tiles", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "8x8/8x8/4/2/pad/tma")]
+)
+def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_cores(dtype, tiles):
     # The interpreter never compiles a kernel: this builds the StormScope layer's three launches
-    # for sm90 as the JIT would on an H200 (benchmarks/kernel_build.py), on any machine.
+    # for sm90 as the JIT would on an H200 (benchmarks/kernel_build.py), on any machine: the
+    # defaults, and the variant loading through tensor descriptors (the interpreter's descriptors
+    # are plain Python).
     from benchmarks import kernel_build
 
-    calls = kernel_build.launches((128, 160), 16, 48, 31, 4, dtype)
+    calls = kernel_build.launches((128, 160), 16, 48, 31, 4, dtype, tiles and fused_natten.Tiles.parse(tiles))
     assert [c[0].__name__ for c in calls] == list(kernel_build.KERNELS)
     for kernel, _, args, kw in calls:
         r = kernel_build.report(kernel, args, kw, 90)
-        assert r["async_loads"] > 0 and r["spill_bytes"] == 0, r  # K/V (or Q/dO) loads pipelined
+        loads = r["tma_loads"] if tiles else r["async_loads"]
+        assert loads > 0 and r["spill_bytes"] == 0, r  # K/V (or Q/dO) loads pipelined
         if dtype == torch.bfloat16:
             assert r["tensor_core"] == "wgmma", r
