@@ -162,8 +162,9 @@ def run_one(a, name) -> None:
     )
     if ":" in name:  # fused:QHxQW/KHxKW/warps/stages[/pad]
         name, tiles = name.split(":", 1)
-        t16 = fused_natten.Tiles.parse(tiles)
-        fused_natten.TILES.update(fwd=t16, dq=t16, dkdv=t16)
+        variant = fused_natten.Tiles.parse(tiles)
+        fused_natten.TILES.update(fwd=variant, dq=variant, dkdv=variant)
+        fused_natten.TILES_FP32 = variant  # (--dtype fp32)
     try:
         t, m, f = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
     except Exception as e:  # noqa: BLE001 - OOM shows up as several exception types across devices

@@ -27,6 +27,7 @@ tensors (Triton's interpreter): the CPU tests check them there.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import NamedTuple
@@ -118,13 +119,9 @@ def head_split(d: int, split: bool = True) -> tuple[int, int]:
     are padded (24 -> (32, 0), 8 -> (16, 0)), as are all without ``split`` (48 -> (64, 0))."""
     p = 1 << (d.bit_length() - 1)
     rest = d - p
-    if not split and rest:
-        return 2 * p, 0
-    if rest == 0:
-        return max(p, 16), 0
-    if rest >= 16 and rest & (rest - 1) == 0:
-        return p, rest
-    return 2 * p, 0
+    if rest == 0 or (split and rest >= 16 and rest & (rest - 1) == 0):
+        return max(p, 16), rest
+    return max(2 * p, 16), 0
 
 
 if triton is not None:
@@ -191,6 +188,35 @@ if triton is not None:
         return x0, x1
 
     @triton.jit
+    def _accumulators(M: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
+        """Float32 zeros for a (M, head_dim) result's two column blocks (the second unused, and D0
+        wide, when D1 == 0)."""
+        return tl.zeros([M, D0], tl.float32), tl.zeros([M, D1 if D1 > 0 else D0], tl.float32)
+
+    @triton.jit
+    def _keys_and_values(
+        t, lo_r, lo_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+        sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
+        D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+        TMA: tl.constexpr, WIDE: tl.constexpr,
+    ):  # fmt: skip
+        """Key tile ``t`` of a query tile's windows ``[lo_r, hi_r) x [lo_c, hi_c)`` (global rows):
+        its keys' rows and columns, and their k and v (two column blocks each)."""
+        r, c = _tile_at(t, lo_r, lo_c, tiles_c, KH, KW)
+        n = tl.arange(0, KH * KW)
+        k_r, k_c = r + n // KW, c + n % KW
+        k_in = (k_r < hi_r) & (k_c < hi_c)  # the union's keys lie in the band (natten checks)
+        k0, k1 = _tile(
+            k_src, k_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sk_b, sk_h, sk_r, sk_c,
+            D, D0, D1, KH, KW, TMA, WIDE,
+        )  # fmt: skip
+        v0, v1 = _tile(
+            v_src, v_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sv_b, sv_h, sv_r, sv_c,
+            D, D0, D1, KH, KW, TMA, WIDE,
+        )  # fmt: skip
+        return k_r, k_c, k0, k1, v0, v1
+
+    @triton.jit
     def _store(base, offs, valid, x0, x1, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
         offs = offs[:, None]
         d0 = tl.arange(0, D0)
@@ -247,11 +273,11 @@ if triton is not None:
         q_ptr, k_src, k_src1, v_src, v_src1, o_ptr, lse_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c,
-        heads, hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale,
+        hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
-        b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
+        b, h = tl.program_id(2), tl.program_id(1)
         rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
             hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
         )
@@ -259,18 +285,12 @@ if triton is not None:
         q0, q1 = _load(q_base, _offsets(rows, cols, sq_r, sq_c, WIDE), valid, D, D0, D1)
         m_i = tl.full([QH * QW], float("-inf"), tl.float32)
         l_i = tl.zeros([QH * QW], tl.float32)
-        acc0 = tl.zeros([QH * QW, D0], tl.float32)
-        if D1 > 0:
-            acc1 = tl.zeros([QH * QW, D1], tl.float32)
-        n = tl.arange(0, KH * KW)
+        acc0, acc1 = _accumulators(QH * QW, D0, D1)
         tiles_c = tl.cdiv(hi_c - lo_c, KW)
         for t in range(0, tl.cdiv(hi_r - lo_r, KH) * tiles_c):
-            r, c = _tile_at(t, lo_r, lo_c, tiles_c, KH, KW)
-            k_r, k_c = r + n // KW, c + n % KW
-            k_in = (k_r < hi_r) & (k_c < hi_c)  # the union's keys lie in the band (natten checks)
-            k0, k1 = _tile(
-                k_src, k_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sk_b, sk_h, sk_r, sk_c,
-                D, D0, D1, KH, KW, TMA, WIDE,
+            k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
+                t, lo_r, lo_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+                sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)  # unscaled: the scale joins exp2's argument
             inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
@@ -280,10 +300,6 @@ if triton is not None:
             p = tl.exp2(s * qk_scale - m_use[:, None])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v0, v1 = _tile(
-                v_src, v_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sv_b, sv_h, sv_r, sv_c,
-                D, D0, D1, KH, KW, TMA, WIDE,
-            )  # fmt: skip
             p = p.to(v0.dtype)
             acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision=PRECISION)
             if D1 > 0:
@@ -304,12 +320,12 @@ if triton is not None:
         q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c,
-        heads, hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
+        hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
         """dQ of one query tile: the forward's loop, recomputing the probabilities from the lse."""
-        b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
+        b, h = tl.program_id(2), tl.program_id(1)
         rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
             hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
         )
@@ -320,22 +336,12 @@ if triton is not None:
         l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
         lse = tl.load(lse_ptr + l_offs, mask=valid, other=0.0)
         delta = tl.load(delta_ptr + l_offs, mask=valid, other=0.0)
-        dq0 = tl.zeros([QH * QW, D0], tl.float32)
-        if D1 > 0:
-            dq1 = tl.zeros([QH * QW, D1], tl.float32)
-        n = tl.arange(0, KH * KW)
-        tiles_c = tl.cdiv(hi_c - lo_c, KW)
-        for t in range(0, tl.cdiv(hi_r - lo_r, KH) * tiles_c):
-            r, c = _tile_at(t, lo_r, lo_c, tiles_c, KH, KW)
-            k_r, k_c = r + n // KW, c + n % KW
-            k_in = (k_r < hi_r) & (k_c < hi_c)
-            k0, k1 = _tile(
-                k_src, k_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sk_b, sk_h, sk_r, sk_c,
-                D, D0, D1, KH, KW, TMA, WIDE,
-            )  # fmt: skip
-            v0, v1 = _tile(
-                v_src, v_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sv_b, sv_h, sv_r, sv_c,
-                D, D0, D1, KH, KW, TMA, WIDE,
+        dq0, dq1 = _accumulators(QH * QW, D0, D1)
+        key_tiles = tl.cdiv(hi_r - lo_r, KH) * tl.cdiv(hi_c - lo_c, KW)
+        for t in range(0, key_tiles):
+            k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
+                t, lo_r, lo_c, hi_r, hi_c, tl.cdiv(hi_c - lo_c, KW), kv_off, b, h, k_src, k_src1, v_src,
+                v_src1, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)
             # (padding queries' rows are never stored and reach no other row)
@@ -358,13 +364,13 @@ if triton is not None:
         q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c,
-        heads, hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
+        hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
         """dK and dV of one key tile (local rows of the band), over the band's query tiles whose
         windows reach it; scores computed transposed, (keys, queries). dK and dV share strides."""
-        b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
+        b, h = tl.program_id(2), tl.program_id(1)
         tiles_w = tl.cdiv(w, KW)
         r0, c0 = (tl.program_id(0) // tiles_w) * KH, (tl.program_id(0) % tiles_w) * KW
         n = tl.arange(0, KH * KW)
@@ -381,11 +387,8 @@ if triton is not None:
         lo_c = _first_query(c0, half, span_c)
         hi_c = _last_query(tl.minimum(c0 + KW, w) - 1, half, w, span_c) + 1
         l_base = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h
-        dk0 = tl.zeros([KH * KW, D0], tl.float32)
-        dv0 = tl.zeros([KH * KW, D0], tl.float32)
-        if D1 > 0:
-            dk1 = tl.zeros([KH * KW, D1], tl.float32)
-            dv1 = tl.zeros([KH * KW, D1], tl.float32)
+        dk0, dk1 = _accumulators(KH * KW, D0, D1)
+        dv0, dv1 = _accumulators(KH * KW, D0, D1)
         m = tl.arange(0, QH * QW)
         tiles_c = tl.cdiv(hi_c - lo_c, QW)
         for t in range(0, tl.cdiv(hi_r - lo_r, QH) * tiles_c):
@@ -494,7 +497,12 @@ def _use_tma(tiles: Tiles, *tensors: Tensor) -> bool:
     strides); otherwise by pointers."""
     if not tiles.tma or _TensorDescriptor is None:
         return False
-    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+    return all(_tma_aligned(t) for t in tensors)
+
+
+def _tma_aligned(t: Tensor) -> bool:
+    """16-byte base and strides, none zero (an expanded gradient has zero strides)."""
+    return t.data_ptr() % 16 == 0 and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
 def _sources(t: Tensor, th: int, tw: int, tiles: Tiles, tma: bool) -> tuple:
@@ -506,6 +514,11 @@ def _sources(t: Tensor, th: int, tw: int, tiles: Tiles, tma: bool) -> tuple:
     shape, strides = list(t.shape), list(t.stride())
     # (a zero-width second block would be refused: D1 == 0 never reads it, so the first stands in)
     return tuple(_TensorDescriptor(t, shape, strides, [1, 1, th, tw, w]) for w in (d0, d1 or d0))
+
+
+def _device_of(t: Tensor):
+    """Triton launches on the current CUDA device: make it ``t``'s."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _scales(d: int) -> tuple[float, float]:
@@ -525,15 +538,16 @@ def natten_forward(
     out, lse = _token_major(q, g.hq), _row_stats(q, g.hq)
     tiles = _tiles("fwd", q)
     b = q.shape[0]
-    grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), b * g.heads)
+    grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
     _, qk_scale = _scales(q.shape[-1])
     tma = _use_tma(tiles, k, v)
     sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
-    _fna_forward[grid](
-        q, *sources, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(lse),
-        g.heads, g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale,
-        WIDE=_wide(q, k, v, out), TMA=tma, **_constants(q, tiles),
-    )  # fmt: skip
+    with _device_of(q):
+        _fna_forward[grid](
+            q, *sources, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(lse),
+            g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale,
+            WIDE=_wide(q, k, v, out), TMA=tma, **_constants(q, tiles),
+        )  # fmt: skip
     return out, lse
 
 
@@ -550,31 +564,34 @@ def natten_backward(
     """dQ, dK, dV (stored token-major) from the output's gradient and the forward's out and lse."""
     grad, q, k, v = (_unit_head_stride(t) for t in (grad, q, k, v))
     g = _geometry(q, k, kernel, q_row_offset, kv_row_offset, grid_rows)
-    # delta = rowsum(dO * O), stored like lse (the kernels index both with lse's strides)
-    delta = _row_stats(q, g.hq)
+    # delta = rowsum(dO * O), laid out as lse is (the kernels index both with lse's strides; lse may
+    # come back from a saved-tensor hook in another layout than the forward made)
+    delta = torch.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=lse.device)
     torch.sum(grad.float() * out.float(), dim=-1, out=delta)
     dq, dk, dv = _token_major(q, g.hq), _token_major(k, g.hk), _token_major(k, g.hk)
     b = q.shape[0]
     sm_scale, qk_scale = _scales(q.shape[-1])
-    scalars = (g.heads, g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale, sm_scale)
+    scalars = (g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale, sm_scale)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(lse))
     wide = _wide(grad, q, k, v, out, dq, dk)
     tiles = _tiles("dq", q)
-    grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), b * g.heads)
+    grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
     tma = _use_tma(tiles, k, v)
     sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
-    _fna_backward_dq[grid](
-        q, *sources, grad, lse, delta, dq, *common, *_strides(dq), *scalars, WIDE=wide, TMA=tma,
-        **_constants(q, tiles),
-    )  # fmt: skip
+    with _device_of(q):
+        _fna_backward_dq[grid](
+            q, *sources, grad, lse, delta, dq, *common, *_strides(dq), *scalars, WIDE=wide, TMA=tma,
+            **_constants(q, tiles),
+        )  # fmt: skip
     tiles = _tiles("dkdv", q)
-    grid = (triton.cdiv(g.hk, tiles.kh) * triton.cdiv(g.w, tiles.kw), b * g.heads)
+    grid = (triton.cdiv(g.hk, tiles.kh) * triton.cdiv(g.w, tiles.kw), g.heads, b)
     tma = _use_tma(tiles, q, grad)
     q_sources, grad_sources = (_sources(t, tiles.qh, tiles.qw, tiles, tma) for t in (q, grad))
-    _fna_backward_dkdv[grid](
-        *q_sources, k, v, *grad_sources, lse, delta, dk, dv, *common, *_strides(dk),
-        *scalars[:2], g.hk, *scalars[2:], WIDE=wide, TMA=tma, **_constants(q, tiles),
-    )  # fmt: skip
+    with _device_of(q):
+        _fna_backward_dkdv[grid](
+            *q_sources, k, v, *grad_sources, lse, delta, dk, dv, *common, *_strides(dk),
+            scalars[0], g.hk, *scalars[1:], WIDE=wide, TMA=tma, **_constants(q, tiles),
+        )  # fmt: skip
     return dq, dk, dv
 
 
@@ -586,6 +603,7 @@ def _(grad, q, k, v, out, lse, kernel, q_row_offset, kv_row_offset, grid_rows):
 def _setup_context(ctx, inputs, output):
     q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)  # (an output for backward's use, not a function of the inputs to train)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.band = (kernel, q_row_offset, kv_row_offset, grid_rows)
 

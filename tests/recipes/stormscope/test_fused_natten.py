@@ -175,8 +175,8 @@ def test_reads_the_projections_views_in_place_and_writes_heads_merged(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_is_as_close_as_sdpa_in_the_same_dtype(device, dtype):
-    # products in the inputs' dtype, softmax and sums in float32: no further from the float64
-    # truth than torch's own attention on the same rounded inputs, within a small floor
+    # products in the inputs' dtype, softmax and sums in float32: about as far from the float64
+    # truth as torch's own attention on the same rounded inputs (fp16 on CPU: 0.4-1.1e-3 each)
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter (3.9) multiplies bfloat16 tiles wrongly in tl.dot; the GPU runs this")
     rows, cols, heads, dim, kernel = 12, 20, 2, 48, 7
@@ -190,17 +190,19 @@ def test_half_precision_is_as_close_as_sdpa_in_the_same_dtype(device, dtype):
     for name, a, s, t in zip(("out", "dq", "dk", "dv"), got, sdpa, truth):
         assert a.dtype == dtype
         err, err_sdpa = ((x.double().cpu() - t).abs().max().item() for x in (a, s))
-        assert err <= 2 * err_sdpa + 1e-3, f"{name}: {err:.2e} against SDPA's {err_sdpa:.2e}"
+        assert err <= 1.5 * err_sdpa + 1e-4, f"{name}: {err:.2e} against SDPA's {err_sdpa:.2e}"
 
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_compiled_dit_block_has_no_graph_break_and_computes_the_same(device):
+@pytest.mark.parametrize("backend, rope", [("aot_eager", False), ("inductor", True)])
+def test_a_compiled_dit_block_has_no_graph_break_and_computes_the_same(device, backend, rope):
     # The kernels are custom ops with a registered backward: dynamo traces a whole DiT block
     # (what trainer.compile compiles; projection, kernels, output projection, MLP) as one graph,
-    # forward and backward, where flex's block-mask builder breaks it (test_dit.py).
+    # forward and backward, where flex's block-mask builder breaks it (test_dit.py); inductor
+    # lays out the ops' inputs and outputs by their fake implementations.
     torch.manual_seed(0)
-    block = DiTBlock(96, 2, 4.0, 5, rope=False, impl="fused").to(device)
+    block = DiTBlock(96, 2, 4.0, 5, rope=rope, impl="fused").to(device)
     with torch.no_grad():
         for p in block.parameters():  # off adaLN-zero's init, so that the attention counts
             p.add_(torch.randn_like(p) * 0.05)
@@ -209,15 +211,17 @@ def test_a_compiled_dit_block_has_no_graph_break_and_computes_the_same(device):
     eager_out = block(x, c)
     eager_grads = torch.autograd.grad(eager_out.square().sum(), [x, *block.parameters()])
     torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")  # a graph break raises
+    compiled = torch.compile(block, fullgraph=True, backend=backend)  # a graph break raises
     out = compiled(x, c)
     grads = torch.autograd.grad(out.square().sum(), [x, *block.parameters()])
-    torch.testing.assert_close(out, eager_out)
+    # (inductor reassociates the float32 sums of the weight gradients: ~1e-5 off on sums of ~0.1)
+    tol = dict(atol=1e-4, rtol=1e-4) if backend == "inductor" else {}
+    torch.testing.assert_close(out, eager_out, **tol)
     for a, b in zip(grads, eager_grads):
-        torch.testing.assert_close(a, b)
-    # q, k, v reach the kernels as views of the projection (no copies), compiled as in eager
-    q, _, _ = torch.compile(block.attn.project, backend="aot_eager")(x)
-    assert q._base is not None
+        torch.testing.assert_close(a, b, **tol)
+    if not rope:  # q, k, v reach the kernels as views of the projection (no copies), compiled as in eager
+        q, _, _ = torch.compile(block.attn.project, backend="aot_eager")(x)
+        assert q._base is not None
 
 
 @needs_kernels
@@ -256,6 +260,44 @@ def test_fused_on_cpu_falls_back_to_the_reference_with_a_warning():
         natten.neighbourhood_attention(q, k, v, 5, impl="fused")
 
 
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_of_any_strides_and_a_saved_lse_in_another_layout(device):
+    # q, k, v whose head_dim is strided (copied for the kernels), the zero-stride gradient of a
+    # sum, and saved tensors that come back repacked (a saved-tensor hook, as save_on_cpu): the
+    # backward must index the lse it gets, and its delta, alike
+    rows, cols, kernel = 9, 11, 5
+    wide_q, wide_k, wide_v, _ = (t.float().to(device) for t in _qkv((2, 2, rows, cols, 96), seed=5))
+    leaves = [t.requires_grad_() for t in (wide_q, wide_k, wide_v)]
+    q, k, v = (t[..., ::2] for t in leaves)  # head_dim 48 with stride 2
+    assert q.stride(-1) == 2
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous().clone(), lambda t: t):
+        out = fused_natten.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=rows)
+    got = (out, *torch.autograd.grad(out.sum(), leaves))
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = dense_neighbourhood_attention(*(t[..., ::2] for t in ref_leaves), kernel)
+    want = (ref, *torch.autograd.grad(ref.sum(), ref_leaves))
+    _close(got, want, atol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_log_sum_exp_output_is_not_differentiable(device):
+    q, k, v, _ = (t.float().to(device).requires_grad_() for t in _qkv((1, 1, 4, 4, 16)))
+    out, lse = fused_natten.natten_forward(q, k, v, 3, 0, 0, 4)
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_offsets_turn_64_bit_where_a_sample_reaches_2_31_elements():
+    small = torch.empty((2, 16, 128, 160, 48), device="meta")
+    assert not fused_natten._wide(small)
+    rows = 2**31 // (160 * 48 * 16) + 1  # rows of one (sample, head) slice past 2**31 elements
+    big = torch.empty((1, 16, rows, 160, 48), device="meta")
+    assert not fused_natten._wide(big[:, :, :2])  # (a slice's own extent counts, not its storage's)
+    tall = torch.empty((1, 1, rows * 16, 160, 48), device="meta")
+    assert fused_natten._wide(tall)
+
+
 def test_mixed_dtypes_are_refused_by_name():
     q, k, v, _ = (t.float() for t in _qkv((1, 1, 4, 4, 16)))
     with pytest.raises(ValueError, match="one dtype for q, k, v; got torch.float32, torch.bfloat16"):
@@ -263,7 +305,8 @@ def test_mixed_dtypes_are_refused_by_name():
 
 
 @pytest.mark.parametrize("dim, split", [(48, (32, 16)), (64, (64, 0)), (80, (64, 16)), (96, (64, 32)),
-                                        (16, (16, 0)), (8, (16, 0)), (24, (32, 0)), (112, (128, 0))])  # fmt: skip
+                                        (16, (16, 0)), (8, (16, 0)), (24, (32, 0)), (112, (128, 0)),
+                                        (3, (16, 0)), (6, (16, 0)), (1, (16, 0))])  # fmt: skip
 def test_heads_split_into_products_triton_can_take(dim, split):
     assert fused_natten.head_split(dim) == split
     d0, d1 = split
