@@ -252,9 +252,10 @@ if triton is not None:
 
     @triton.jit
     def _query_tile(hq, w, q_off, grid_rows, half, span_r, span_c, QH: tl.constexpr, QW: tl.constexpr):
-        """This program's query tile: local rows, columns, which exist, each query's window start
-        (global row, column; padding queries take the nearest real one's) and the union of the
-        windows ``[lo_r, hi_r) x [lo_c, hi_c)`` (global)."""
+        """This program's sample, head and query tile: local rows, columns, which exist, each
+        query's window start (global row, column; padding queries take the nearest real one's) and
+        the union of the windows ``[lo_r, hi_r) x [lo_c, hi_c)`` (global). Programs run tiles
+        fastest, then heads, then samples (grid axes 0, 1, 2)."""
         tiles_w = tl.cdiv(w, QW)
         r0, c0 = (tl.program_id(0) // tiles_w) * QH, (tl.program_id(0) % tiles_w) * QW
         m = tl.arange(0, QH * QW)
@@ -266,7 +267,7 @@ if triton is not None:
         hi_r = _window_start(tl.minimum(r0 + QH, hq) - 1 + q_off, half, grid_rows, span_r) + span_r
         lo_c = _window_start(c0, half, w, span_c)
         hi_c = _window_start(tl.minimum(c0 + QW, w) - 1, half, w, span_c) + span_c
-        return rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c
+        return tl.program_id(2), tl.program_id(1), rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c
 
     @triton.jit
     def _fna_forward(
@@ -277,8 +278,7 @@ if triton is not None:
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
-        b, h = tl.program_id(2), tl.program_id(1)
-        rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
+        b, h, rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
             hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
         )
         q_base = q_ptr + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
@@ -325,8 +325,7 @@ if triton is not None:
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
     ):  # fmt: skip
         """dQ of one query tile: the forward's loop, recomputing the probabilities from the lse."""
-        b, h = tl.program_id(2), tl.program_id(1)
-        rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
+        b, h, rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
             hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
         )
         bh_q = b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
