@@ -365,3 +365,27 @@ def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_co
         assert loads > 0 and r["spill_bytes"] == 0, r  # K/V (or Q/dO) loads pipelined
         if dtype == torch.bfloat16:
             assert r["tensor_core"] == "wgmma", r
+
+
+def _split_fused(rank, world):
+    """The domain-split DiT on the fused kernels (float32) against the whole model, on bands whose
+    halos differ in width (a thin first band), gradients sent back to the rows' owners."""
+    from framework.domain.comm import DomainGroup
+    from tests.framework.domain.helpers import compare_split, randomize
+    from tests.recipes.stormscope.test_parallelize import SPLITS, _dit, _inputs, split
+
+    warnings.filterwarnings("error", message="fused neighbourhood attention unavailable")  # no fallback
+    assert fused_natten.available(torch.zeros(1, 1, 1))
+    torch.set_num_threads(1)
+    kw = dict(num_heads=2, attn_kernel=7, pos_embed="rope", attn_impl="fused")
+    model = randomize(_dit(**kw), seed=5, std=0.2)
+    x, args = _inputs(kw, seed=15)
+    dg = DomainGroup(torch.distributed.group.WORLD, SPLITS[2]["thin first band"])
+    compare_split("fused DiT", model, dg, x, split_fn=split, args=args, seed=5, tol=dict(rtol=1e-4, atol=1e-5))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (on GPUs the gpu tests train it on 2 ranks)")
+def test_a_domain_split_dit_on_the_fused_kernels_matches_the_whole_one():
+    from tests.multiproc import spawn
+
+    spawn(_split_fused, 2)
