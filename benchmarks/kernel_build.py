@@ -154,6 +154,7 @@ def loop_instructions(ptx: str) -> int:
 
 
 def parse_tiles(text: str) -> fused_natten.Tiles:
+    """``Tiles.parse`` for argparse (its message kept); the notation of every benchmark here."""
     try:
         return fused_natten.Tiles.parse(text)
     except ValueError as e:

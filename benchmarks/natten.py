@@ -11,8 +11,8 @@ flex runs as the DiT runs it (``flex``: 64-token blocks of 8 x 8 tiles on Hopper
 under 64, else 128-token blocks of 8 x 16), in 128-token blocks (``flex-128``) and in row-major
 token order (``flex-rows``), whose 128-token blocks are slivers of one row. ``fused`` is the
 recipe's Triton kernels (CUDA only); ``--fused-tiles`` adds a run per tile variant
-(``QHxQW/KHxKW/warps/stages``, and ``/pad`` for heads padded to a power of two rather than
-split; for the three kernels alike), ``--impls`` picks which run:
+(``QHxQW/KHxKW/warps/stages``, ``/pad`` for heads padded to a power of two rather than split,
+``/tma`` for tiles loaded through tensor descriptors; for the three kernels alike), ``--impls`` picks which run:
 
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16 --batch 4 \
         --impls flex fused --fused-tiles 8x16/8x8/8/3 8x8/8x8/4/3
@@ -37,6 +37,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.kernel_build import parse_tiles  # noqa: E402
 from recipes.stormscope import fused_natten  # noqa: E402
 from recipes.stormscope.natten import (  # noqa: E402
     dense_neighbourhood_attention,
@@ -143,13 +144,6 @@ IMPLS = {
 }
 
 
-def _fused_tiles(text: str) -> fused_natten.Tiles:
-    try:
-        return fused_natten.Tiles.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def run_one(a, name) -> None:
     """Child process: measure one implementation, print one RESULT line."""
     device = torch.device(a.device)
@@ -160,7 +154,7 @@ def run_one(a, name) -> None:
         torch.randn(a.batch, a.heads, *a.grid, a.head_dim, device=device, dtype=DTYPES[a.dtype], requires_grad=True)
         for _ in range(3)
     )
-    if ":" in name:  # fused:QHxQW/KHxKW/warps/stages[/pad]
+    if ":" in name:  # fused:QHxQW/KHxKW/warps/stages[/pad][/tma]
         name, tiles = name.split(":", 1)
         variant = fused_natten.Tiles.parse(tiles)
         fused_natten.TILES.update(fwd=variant, dq=variant, dkdv=variant)
@@ -190,7 +184,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); default: torch's choice")
     p.add_argument("--skip-dense", action="store_true", help="skip dense masked attention (O((HW)^2) memory)")
     p.add_argument("--impls", nargs="*", choices=sorted(IMPLS), help="which to run (default: all that run here)")
-    p.add_argument("--fused-tiles", nargs="*", type=_fused_tiles, default=[], help="fused tile variants to add")
+    p.add_argument("--fused-tiles", nargs="*", type=parse_tiles, default=[], help="fused tile variants to add")
     p.add_argument("--only", help=argparse.SUPPRESS)  # internal: the child's job
     a = p.parse_args(argv)
     if a.only:

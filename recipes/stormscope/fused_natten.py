@@ -218,6 +218,7 @@ if triton is not None:
 
     @triton.jit
     def _store(base, offs, valid, x0, x1, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
+        """A (tokens, head_dim) tile from its two column blocks (``x1`` unused when D1 == 0)."""
         offs = offs[:, None]
         d0 = tl.arange(0, D0)
         ptr = base + offs + d0[None, :]
@@ -243,6 +244,12 @@ if triton is not None:
         its products, so every instruction here counts."""
         rows = (k_r - q_r).to(tl.uint32, bitcast=True) < span_r
         return rows & ((k_c - q_c).to(tl.uint32, bitcast=True) < span_c)
+
+    @triton.jit
+    def _tile_count(lo_r, hi_r, lo_c, hi_c, TH: tl.constexpr, TW: tl.constexpr):
+        """(tiles, tiles per row) of ``TH x TW`` tiles covering ``[lo_r, hi_r) x [lo_c, hi_c)``."""
+        tiles_c = tl.cdiv(hi_c - lo_c, TW)
+        return tl.cdiv(hi_r - lo_r, TH) * tiles_c, tiles_c
 
     @triton.jit
     def _tile_at(t, lo_r, lo_c, tiles_c, KH: tl.constexpr, KW: tl.constexpr):
@@ -286,8 +293,8 @@ if triton is not None:
         m_i = tl.full([QH * QW], float("-inf"), tl.float32)
         l_i = tl.zeros([QH * QW], tl.float32)
         acc0, acc1 = _accumulators(QH * QW, D0, D1)
-        tiles_c = tl.cdiv(hi_c - lo_c, KW)
-        for t in range(0, tl.cdiv(hi_r - lo_r, KH) * tiles_c):
+        key_tiles, tiles_c = _tile_count(lo_r, hi_r, lo_c, hi_c, KH, KW)
+        for t in range(0, key_tiles):
             k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
                 t, lo_r, lo_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
                 sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
@@ -308,10 +315,7 @@ if triton is not None:
         o_base = o_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h
         inv = 1.0 / l_i
         o_offs = _offsets(rows, cols, so_r, so_c, WIDE)
-        if D1 > 0:
-            _store(o_base, o_offs, valid, acc0 * inv[:, None], acc1 * inv[:, None], D, D0, D1)
-        else:
-            _store(o_base, o_offs, valid, acc0 * inv[:, None], acc0, D, D0, D1)
+        _store(o_base, o_offs, valid, acc0 * inv[:, None], acc1 * inv[:, None], D, D0, D1)
         l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
         tl.store(lse_ptr + l_offs, m_i + tl.log2(l_i), mask=valid)
 
@@ -336,11 +340,11 @@ if triton is not None:
         lse = tl.load(lse_ptr + l_offs, mask=valid, other=0.0)
         delta = tl.load(delta_ptr + l_offs, mask=valid, other=0.0)
         dq0, dq1 = _accumulators(QH * QW, D0, D1)
-        key_tiles = tl.cdiv(hi_r - lo_r, KH) * tl.cdiv(hi_c - lo_c, KW)
+        key_tiles, tiles_c = _tile_count(lo_r, hi_r, lo_c, hi_c, KH, KW)
         for t in range(0, key_tiles):
             k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
-                t, lo_r, lo_c, hi_r, hi_c, tl.cdiv(hi_c - lo_c, KW), kv_off, b, h, k_src, k_src1, v_src,
-                v_src1, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
+                t, lo_r, lo_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+                sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)
             # (padding queries' rows are never stored and reach no other row)
@@ -353,10 +357,7 @@ if triton is not None:
                 dq1 += tl.dot(ds, k1, input_precision=PRECISION)
         dq_base = dq_ptr + b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
         offs = _offsets(rows, cols, sg_r, sg_c, WIDE)
-        if D1 > 0:
-            _store(dq_base, offs, valid, dq0 * sm_scale, dq1 * sm_scale, D, D0, D1)
-        else:
-            _store(dq_base, offs, valid, dq0 * sm_scale, dq0, D, D0, D1)
+        _store(dq_base, offs, valid, dq0 * sm_scale, dq1 * sm_scale, D, D0, D1)
 
     @triton.jit
     def _fna_backward_dkdv(
@@ -389,8 +390,8 @@ if triton is not None:
         dk0, dk1 = _accumulators(KH * KW, D0, D1)
         dv0, dv1 = _accumulators(KH * KW, D0, D1)
         m = tl.arange(0, QH * QW)
-        tiles_c = tl.cdiv(hi_c - lo_c, QW)
-        for t in range(0, tl.cdiv(hi_r - lo_r, QH) * tiles_c):
+        query_tiles, tiles_c = _tile_count(lo_r, hi_r, lo_c, hi_c, QH, QW)
+        for t in range(0, query_tiles):
             r, c = _tile_at(t, lo_r, lo_c, tiles_c, QH, QW)
             rows, cols = r + m // QW, c + m % QW
             q_in = (rows < hi_r) & (cols < hi_c)
@@ -420,12 +421,8 @@ if triton is not None:
                 dk1 += tl.dot(ds, q1, input_precision=PRECISION)
         offs = _offsets(k_rows, k_c, sg_r, sg_c, WIDE)
         bh_g = b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
-        if D1 > 0:
-            _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1)
-            _store(dv_ptr + bh_g, offs, k_valid, dv0, dv1, D, D0, D1)
-        else:
-            _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk0, D, D0, D1)
-            _store(dv_ptr + bh_g, offs, k_valid, dv0, dv0, D, D0, D1)
+        _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1)
+        _store(dv_ptr + bh_g, offs, k_valid, dv0, dv1, D, D0, D1)
 
 
 # -- launches -------------------------------------------------------------------------------------
