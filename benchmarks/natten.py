@@ -17,7 +17,10 @@ recipe's Triton kernels (CUDA only); ``--fused-tiles`` adds a run per tile varia
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16 --batch 4 \
         --impls flex fused --fused-tiles 8x16/8x8/8/3 8x8/8x8/4/3
 
-Each row gives the forward alone and forward + backward.
+Each row gives the forward alone and forward + backward. ``--best-tiles FILE`` writes the fastest
+fused variants, the forward's by forward time and the backward kernels' by the rest
+(``fwd=SPEC,dq=SPEC,dkdv=SPEC``), which ``benchmarks/scaling.py --attn-tiles @FILE`` then runs
+in the DiT.
 
 Peak memory is what the call adds on top of its inputs: CUDA's allocator peak, or on CPU the
 process RSS sampled every millisecond by a thread (coarse, but enough for ratios).
@@ -185,6 +188,7 @@ def main(argv=None):
     p.add_argument("--skip-dense", action="store_true", help="skip dense masked attention (O((HW)^2) memory)")
     p.add_argument("--impls", nargs="*", choices=sorted(IMPLS), help="which to run (default: all that run here)")
     p.add_argument("--fused-tiles", nargs="*", type=parse_tiles, default=[], help="fused tile variants to add")
+    p.add_argument("--best-tiles", type=Path, help="write the fastest fused tiles per kernel here")
     p.add_argument("--only", help=argparse.SUPPRESS)  # internal: the child's job
     a = p.parse_args(argv)
     if a.only:
@@ -231,6 +235,29 @@ def main(argv=None):
         mr = f"{m / dense[1]:.3f}" if dense and dense[1] > 0 else "-"
         fr = f"{t / flex[0]:.3f}" if flex else "-"
         print(f"{name:<22} {f * 1e3:>8.2f} {t * 1e3:>11.2f} {m / 2**20:>10.1f} {tr:>11} {mr:>10} {fr:>10}")
+    if a.best_tiles:
+        best = best_tiles(results)
+        if best is None:
+            print("--best-tiles: no fused run finished; nothing written")
+        else:
+            a.best_tiles.write_text(fused_natten.format_tile_set(best) + "\n")
+            print(f"fastest fused tiles: {fused_natten.format_tile_set(best)} (written to {a.best_tiles})")
+
+
+def best_tiles(results: dict) -> dict | None:
+    """The fastest fused tiles per kernel among ``results`` (name -> (fwd+bwd s, bytes, fwd s)):
+    the forward's by its time, the backward's two (measured together) by the remainder."""
+    runs = {}
+    for name, (t, _, f) in results.items():
+        if name == "fused":
+            runs[name] = (dict(fused_natten.TILES), t, f)
+        elif name.startswith("fused:"):
+            runs[name] = (dict.fromkeys(fused_natten.TILES, fused_natten.Tiles.parse(name[6:])), t, f)
+    if not runs:
+        return None
+    fwd = min(runs.values(), key=lambda r: r[2])[0]
+    bwd = min(runs.values(), key=lambda r: r[1] - r[2])[0]
+    return {"fwd": fwd["fwd"], "dq": bwd["dq"], "dkdv": bwd["dkdv"]}
 
 
 def _strip_lists(argv: list[str]) -> list[str]:

@@ -75,6 +75,10 @@ def build_model(args):
     if args.model == "dit":
         from recipes.stormscope.config import DiTConfig
 
+        if args.attn_tiles:
+            from recipes.stormscope import fused_natten
+
+            fused_natten.TILES.update(fused_natten.parse_tile_set(args.attn_tiles))
         cfg, io = DiTConfig(attn_impl=args.attn_impl, attn_block=args.attn_block), DIT_IO
     elif args.model == "diffusion":
         from recipes.stormcast.config import SongUNetConfig
@@ -93,6 +97,17 @@ def build_model(args):
         args.model, cfg, in_channels=io[0], out_channels=io[1], img_resolution=(args.height, args.width)
     )
     return model, io, cfg.downsample_factor
+
+
+def _tile_set(text: str) -> str:
+    """--attn-tiles: checked here, passed on to the workers in parse_tile_set's notation."""
+    from recipes.stormscope import fused_natten
+
+    try:
+        spec = Path(text[1:]).read_text().strip() if text.startswith("@") else text
+        return fused_natten.format_tile_set(fused_natten.parse_tile_set(spec))
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _dropout(args) -> dict:
@@ -541,6 +556,7 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
             "--attn-impl",
             args.attn_impl,
             *(["--attn-block", str(args.attn_block)] if args.attn_block else []),
+            *(["--attn-tiles", args.attn_tiles] if args.attn_tiles else []),
             *(["--dropout", str(args.dropout)] if args.dropout is not None else []),
             "--watchdog",
             str(args.watchdog),
@@ -631,6 +647,12 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--attn-impl", default="auto", help="dit: auto | flex | fused | reference")
     ap.add_argument("--attn-block", type=int, choices=[64, 128], help="dit: flex's sparse block (default: auto)")
+    ap.add_argument(
+        "--attn-tiles",
+        type=_tile_set,
+        help="dit, fused: the kernels' 16-bit tiles, SPEC or fwd=SPEC,dq=SPEC,dkdv=SPEC, or @FILE "
+        "(benchmarks/natten.py --best-tiles); default: the recipe's",
+    )
     ap.add_argument("--dropout", type=float, help="the SongUNets' dropout (default: the presets', 0.1)")
     ap.add_argument(
         "--watchdog",
@@ -664,9 +686,12 @@ def main(argv=None) -> None:
 
 def print_table(runs: list[dict], args) -> None:
     base = next((r for r in runs if r["sharding"] == "none" and not r["compile"]), runs[0])
+    attention = ""
+    if args.model == "dit":
+        attention = f", attention {args.attn_impl}" + (f" ({args.attn_tiles})" if args.attn_tiles else "")
     print(
         f"{args.model}, {args.height}x{args.width}, batch {args.batch_per_gpu}/GPU, {args.precision}, "
-        f"{base['tflop_per_sample']:.2f} TFLOP/sample"
+        f"{base['tflop_per_sample']:.2f} TFLOP/sample{attention}"
     )
     print(
         f"{'layout':>8} {'gpus':>4} {'mode':>8} {'samples/s':>10} {'/GPU':>7} {'x eager':>7} {'MFU':>6} "

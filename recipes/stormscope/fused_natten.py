@@ -109,6 +109,27 @@ TILES = {
 TILES_FP32 = Tiles(4, 8, 4, 8)
 
 
+def parse_tile_set(text: str) -> dict[str, Tiles]:
+    """16-bit tiles for the three kernels from ``SPEC`` (all alike) or ``fwd=SPEC,dq=SPEC,dkdv=SPEC``
+    (any of them; the rest keep ``TILES``'), SPEC in ``Tiles.parse``'s notation. What
+    ``benchmarks/natten.py --best-tiles`` writes and ``benchmarks/scaling.py --attn-tiles`` reads."""
+    if "=" not in text:
+        tiles = Tiles.parse(text)
+        return dict.fromkeys(TILES, tiles)
+    out = {}
+    for item in text.split(","):
+        name, _, spec = item.partition("=")
+        if name not in TILES or name in out:
+            raise ValueError(f"tile set {text!r}: expected SPEC or fwd=SPEC,dq=SPEC,dkdv=SPEC, got {name!r}")
+        out[name] = Tiles.parse(spec)
+    return out
+
+
+def format_tile_set(tiles: dict[str, Tiles]) -> str:
+    """``parse_tile_set``'s notation for ``tiles``."""
+    return ",".join(f"{name}={t}" for name, t in tiles.items())
+
+
 def _tiles(name: str, q: Tensor) -> Tiles:
     return TILES_FP32 if q.dtype == torch.float32 else TILES[name]
 

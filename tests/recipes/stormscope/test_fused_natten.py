@@ -326,6 +326,50 @@ def test_tiles_read_the_benchmarks_notation_and_name_what_is_wrong():
             fused_natten.Tiles.parse(bad)
 
 
+def test_a_tile_set_names_each_kernels_tiles_and_what_is_wrong():
+    """The notation the benchmarks hand on: the tiles natten.py --best-tiles found fastest, read back
+    by scaling.py --attn-tiles."""
+    every = fused_natten.parse_tile_set("8x8/8x8/4/3/pad")
+    assert set(every) == set(fused_natten.TILES) and set(every.values()) == {
+        fused_natten.Tiles(8, 8, 8, 8, 4, 3, False)
+    }
+    some = fused_natten.parse_tile_set("fwd=8x8/8x8/4/2/pad/tma,dkdv=16x8/8x8/8/2")
+    assert some == {
+        "fwd": fused_natten.Tiles(8, 8, 8, 8, 4, 2, False, True),
+        "dkdv": fused_natten.Tiles(16, 8, 8, 8, 8),
+    }
+    assert fused_natten.parse_tile_set(fused_natten.format_tile_set(some)) == some
+    for bad, what in (("bwd=8x8/8x8", "got 'bwd'"), ("fwd=8x8/8x8,fwd=8x8/8x8", "got 'fwd'"), ("dq=8x8", "got '8x8'")):
+        with pytest.raises(ValueError, match=what):
+            fused_natten.parse_tile_set(bad)
+
+
+def test_the_benchmark_keeps_the_fastest_forward_and_backward_tiles_apart(tmp_path):
+    """benchmarks/natten.py --best-tiles: the forward's tiles from the fastest forward, the
+    backward kernels' from the fastest remainder; scaling.py --attn-tiles @FILE reads them."""
+    from benchmarks import natten as bench
+    from benchmarks import scaling
+
+    results = {  # name -> (forward+backward s, peak bytes, forward s)
+        "flex": (1.0, 0, 0.1),
+        "fused": (9.0, 0, 3.0),  # the defaults: slowest on both counts
+        "fused:8x8/8x8/4/3/pad": (5.0, 0, 1.0),  # fastest forward (backward 4.0)
+        "fused:16x8/8x8/8/2/tma": (6.0, 0, 3.0),  # fastest backward (3.0)
+    }
+    best = bench.best_tiles(results)
+    assert best == {
+        "fwd": fused_natten.Tiles(8, 8, 8, 8, 4, 3, False),
+        "dq": fused_natten.Tiles(16, 8, 8, 8, 8, 2, tma=True),
+        "dkdv": fused_natten.Tiles(16, 8, 8, 8, 8, 2, tma=True),
+    }
+    assert bench.best_tiles({"flex": (1.0, 0, 0.1)}) is None
+    path = tmp_path / "tiles"
+    path.write_text(fused_natten.format_tile_set(best) + "\n")
+    assert fused_natten.parse_tile_set(scaling._tile_set(f"@{path}")) == best
+    with pytest.raises(Exception, match="got 'bwd'"):
+        scaling._tile_set("bwd=8x8/8x8")
+
+
 @pytest.mark.skipif(fused_natten._TensorDescriptor is None, reason="this Triton has no tensor descriptors")
 def test_tensor_descriptors_only_where_asked_and_aligned():
     tma = fused_natten.Tiles(8, 8, 8, 8, tma=True)
