@@ -108,9 +108,10 @@ SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=$BASE_PORT
 AuthType=auth/munge
-# A requeued job waits cred_expire seconds before it may start again (default 120): a
-# preempted run on this one-box cluster resumes after 20 s instead.
-AuthInfo=cred_expire=20
+# A requeued job waits cred_expire seconds before it may start again (default 120), then for
+# the next scheduling pass (every 60 s by default): a preempted run on this one-box cluster
+# resumes after ~10 s instead.
+AuthInfo=cred_expire=10
 CryptoType=crypto/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
@@ -120,6 +121,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none

@@ -28,6 +28,11 @@ def pytest_configure(config):
         _OWN_CACHE.append(cache)
     os.environ["XDG_CACHE_HOME"] = cache
     os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # it would take precedence over XDG_CACHE_HOME
+    # Inductor's CPU backend checks each vector ISA the CPU reports by building a probe and loading
+    # it in a new interpreter, once per process: 8 s for every process that compiles (28 s on the
+    # CUDA build of torch 2.11 the smoke run uses), and the tests start dozens. Taking the CPU's
+    # word picks the same ISA (a test machine's g++ builds for its own CPU).
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
     # Under pytest-xdist the workers share the cores: one thread per process (inherited by the
     # runs a test launches), else two multi-threaded runs on two cores oversubscribe them (the
     # main-job test took 4.5x longer).
