@@ -8,7 +8,9 @@ as Triton's JIT would on a GPU (16-aligned pointers, integers divisible by 16, i
 compiles each kernel for the target with Triton's own ptxas, and prints per kernel: registers,
 spilled bytes, shared memory, how many loads became asynchronous copies (cp.async or TMA: pipelined), and the PTX
 instructions of its inner loop per score. At head dim 48 the softmax and masking arithmetic, not
-the products, sets these kernels' pace, so the last figure is the one to lower.
+the products, sets these kernels' pace, so the last figure is the one to lower. With ``/full``
+tiles, a tile inside every window skips the window test: the figure is then the average over the
+two paths, weighted by the share of such tiles at this size (both paths are printed).
 
     python benchmarks/kernel_build.py                                   # StormScope's layer, bf16, sm90
     python benchmarks/kernel_build.py --grid 128 160 --heads 16 --head-dim 48 --tiles 8x16/8x8/8/3
@@ -125,6 +127,8 @@ def report(kernel, args, kw, arch: int) -> dict:
     spills = re.search(r"(\d+) bytes spill stores", out.stderr)
     ttgir = compiled.asm["ttgir"]
     tiles = kw["QH"] * kw["QW"] * kw["KH"] * kw["KW"]  # scores per loop iteration
+    per_score = 32 * options["num_warps"] / tiles
+    tested, untested = (n * per_score for n in loop_instructions(compiled.asm["ptx"]))
     return {
         "kernel": kernel.__name__,
         "registers": int(regs.group(1)) if regs else None,
@@ -134,14 +138,16 @@ def report(kernel, args, kw, arch: int) -> dict:
         "tma_loads": ttgir.count("async_tma_copy_global_to_local"),  # the copy engine's, pipelined
         # Hopper's warp-group MMA, the older per-warp MMA, or none (float32 "ieee" products run on FMAs)
         "tensor_core": "wgmma" if "warp_group_dot" in ttgir else ("mma" if "nvidia_mma" in ttgir else "none"),
-        "instructions_per_score": loop_instructions(compiled.asm["ptx"]) * 32 * options["num_warps"] / tiles,
+        "instructions_per_score": tested,  # every tile through the window test
+        "full_tile_instructions_per_score": untested,  # a tile inside every window (FULL), else the same
         **options,
     }
 
 
-def loop_instructions(ptx: str) -> int:
-    """PTX instructions of the inner loop, per thread: of the spans from a label to a branch back
-    to it, the one with the most matrix products."""
+def loop_instructions(ptx: str) -> tuple[int, int]:
+    """PTX instructions of the inner loop, per thread, on its longest and its shortest path: of the
+    spans from a label to a branch back to it, those with the most matrix products (a loop with a
+    block it may skip, the window test, closes twice: once after the block, once before it)."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\$L__\w+):", line))}
     loops = [
@@ -149,8 +155,59 @@ def loop_instructions(ptx: str) -> int:
         for i, line in enumerate(lines)
         if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)) and labels.get(m.group(1), i) < i
     ]
-    body = max(loops, key=lambda span: sum("mma" in line for line in span))
-    return sum(1 for line in body if re.match(r"\s+(@!?%p\d+\s+)?[a-z]", line))
+    products = max(sum("mma" in line for line in span) for span in loops)
+    counts = [
+        sum(1 for line in span if re.match(r"\s+(@!?%p\d+\s+)?[a-z]", line))
+        for span in loops
+        if sum("mma" in line for line in span) == products
+    ]
+    return max(counts), min(counts)
+
+
+def full_tile_share(grid, kernel: int, tiles: fused_natten.Tiles, backward_kv: bool) -> float:
+    """The share of the loop's tiles that lie inside every window of the program's tile (and skip
+    the window test with ``/full``), at this size on one band: the kernels' tiling, row and column
+    alike (the tiles are products of the two). ``backward_kv``: the dK/dV kernel's query tiles
+    around a key tile, else the forward's (and dQ's) key tiles around a query tile."""
+    if not tiles.full:
+        return 0.0
+    full = total = 1
+    for n, q, k in zip(grid, (tiles.qh, tiles.qw), (tiles.kh, tiles.kw)):
+        span, half = min(kernel, n), kernel // 2
+
+        def start(p, n=n, span=span, half=half):
+            return min(max(p - half, 0), n - span)
+
+        def origin(lo, first_full, hi, t):
+            o = lo - (t - (first_full - lo) % t) % t
+            return o if o >= 0 and -((o - hi) // t) == -((lo - hi) // t) else lo
+
+        f = m = 0
+        if backward_kv:  # key tiles of k, each against the query tiles whose windows reach it
+
+            def first_query(key, span=span, half=half):  # the first whose window reaches key
+                return 0 if key - span + 1 <= 0 else key - span + 1 + half
+
+            def last_query(key, n=n, span=span, half=half):  # the last whose window reaches key
+                return n - 1 if key >= n - span else key + half
+
+            for k0 in range(0, n, k):
+                last = min(k0 + k, n) - 1
+                a, b = first_query(last), last_query(k0)  # the queries whose windows hold the tile
+                hi = min(last_query(last) + 1, n)
+                o = origin(first_query(k0), a, hi, q)
+                for r in range(o, hi, q):
+                    m += 1
+                    f += r >= a and r + q - 1 <= b
+        else:  # query tiles of q, each against the key tiles of its windows' union
+            for r0 in range(0, n, q):
+                lo, hi = start(r0), start(min(r0 + q, n) - 1) + span
+                o = origin(lo, hi - span, hi, k)
+                for r in range(o, hi, k):
+                    m += 1
+                    f += r >= hi - span and r + k <= lo + span
+        full, total = full * f, total * m
+    return full / total
 
 
 def parse_tiles(text: str) -> fused_natten.Tiles:
@@ -192,7 +249,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
     p.add_argument(
-        "--tiles", type=parse_tiles, nargs="*", default=[None], help="QHxQW/KHxKW[/warps[/stages]][/pad][/tma]"
+        "--tiles", type=parse_tiles, nargs="*", default=[None], help="QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full]"
     )
     a = p.parse_args(argv)
     for tiles in a.tiles:
@@ -200,11 +257,20 @@ def main(argv=None) -> None:
         print(f"tiles {label}: sm{a.arch}, {a.dtype}, grid {a.grid[0]}x{a.grid[1]}, {a.heads} heads of {a.head_dim}")
         for kernel, _, args, kw in launches(a.grid, a.heads, a.head_dim, a.kernel, a.batch, DTYPES[a.dtype], tiles):
             r = report(kernel, args, kw, a.arch)
+            tiles_of = fused_natten.Tiles(kw["QH"], kw["QW"], kw["KH"], kw["KW"], full=kw["FULL"])
+            share = full_tile_share(a.grid, a.kernel, tiles_of, r["kernel"] == "_fna_backward_dkdv")
+            mean = r["instructions_per_score"] * (1 - share) + r["full_tile_instructions_per_score"] * share
+            paths = (
+                f" ({r['instructions_per_score']:.1f} tested, {r['full_tile_instructions_per_score']:.1f} on the "
+                f"{share:.0%} of tiles inside every window)"
+                if share
+                else ""
+            )
             print(
                 f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled, "
                 f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, {r['async_loads']} async + {r['tma_loads']} TMA loads, "
                 f"{r['tensor_core']}, {r.get('num_warps')} warps, {r.get('num_stages')} stages, "
-                f"{r['instructions_per_score']:.1f} instructions/score"
+                f"{mean:.1f} instructions/score{paths}"
             )
 
 

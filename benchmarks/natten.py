@@ -223,6 +223,10 @@ def main(argv=None):
             print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
         else:
             results[name] = (res["s"], res["bytes"], res["forward_s"])
+            # (as each finishes: a run stopped part-way keeps what it measured)
+            print(
+                f"  {name}: {res['forward_s'] * 1e3:.2f} ms forward, {res['s'] * 1e3:.2f} ms with backward", flush=True
+            )
 
     dense = results.get("dense")
     flex = results.get("flex")

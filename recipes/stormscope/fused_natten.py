@@ -57,7 +57,9 @@ def available(q: Tensor) -> bool:
 class Tiles(NamedTuple):
     """One kernel's tiles: queries ``qh x qw`` tokens, keys ``kh x kw``; its warps and stages;
     ``split``: heads whose width is no power of two as two products (48: 32 + 16) rather than one
-    padded (48: 64; fewer instructions per tile, more tensor-core work)."""
+    padded (48: 64; fewer instructions per tile, more tensor-core work); ``tma``: the loops' tiles
+    through tensor descriptors; ``full``: the window test skipped on tiles inside every window of
+    the other side's tile, with the tiles laid out to make as many such as they can."""
 
     qh: int
     qw: int
@@ -67,13 +69,14 @@ class Tiles(NamedTuple):
     stages: int = 2
     split: bool = True
     tma: bool = False
+    full: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
-        """From ``QHxQW/KHxKW[/warps[/stages]][/pad][/tma]`` (the benchmarks' notation; ``pad``: no
-        split, ``tma``: the loop's tiles through tensor descriptors)."""
+        """From ``QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full]`` (the benchmarks' notation;
+        ``pad``: no split)."""
         parts = text.split("/")
-        flags = [p for p in parts[2:] if p in ("pad", "tma")]
+        flags = [p for p in parts[2:] if p in ("pad", "tma", "full")]
         try:
             (qh, qw), (kh, kw) = ([int(x) for x in p.split("x")] for p in parts[:2])
             numbers = [int(x) for x in parts[2 : len(parts) - len(flags)]]
@@ -85,11 +88,11 @@ class Tiles(NamedTuple):
             or len(set(flags)) < len(flags)
             or parts[len(parts) - len(flags) :] != flags
         ):
-            raise ValueError(f"tiles must read QHxQW/KHxKW[/warps[/stages]][/pad][/tma], got {text!r}")
-        return cls(qh, qw, kh, kw, *numbers, split="pad" not in flags, tma="tma" in flags)
+            raise ValueError(f"tiles must read QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full], got {text!r}")
+        return cls(qh, qw, kh, kw, *numbers, split="pad" not in flags, tma="tma" in flags, full="full" in flags)
 
     def __str__(self) -> str:
-        flags = ("" if self.split else "/pad") + ("/tma" if self.tma else "")
+        flags = ("" if self.split else "/pad") + ("/tma" if self.tma else "") + ("/full" if self.full else "")
         return f"{self.qh}x{self.qw}/{self.kh}x{self.kw}/{self.warps}/{self.stages}{flags}"
 
 
@@ -267,6 +270,14 @@ if triton is not None:
         return rows & ((k_c - q_c).to(tl.uint32, bitcast=True) < span_c)
 
     @triton.jit
+    def _aligned_origin(lo, first_full, hi, floor, T: tl.constexpr):
+        """Where ``T``-wide tiles over ``[lo, hi)`` start: ``lo``, or up to ``T - 1`` before it (never
+        below ``floor``, the first row or column in memory) so that a tile starts at ``first_full``,
+        where the positions inside every window begin; not where that would take one more tile."""
+        o = lo - (T - (first_full - lo) % T) % T
+        return tl.where((o >= floor) & (tl.cdiv(hi - o, T) == tl.cdiv(hi - lo, T)), o, lo)
+
+    @triton.jit
     def _tile_count(lo_r, hi_r, lo_c, hi_c, TH: tl.constexpr, TW: tl.constexpr):
         """(tiles, tiles per row) of ``TH x TW`` tiles covering ``[lo_r, hi_r) x [lo_c, hi_c)``."""
         tiles_c = tl.cdiv(hi_c - lo_c, TW)
@@ -298,6 +309,38 @@ if triton is not None:
         return tl.program_id(2), tl.program_id(1), rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c
 
     @triton.jit
+    def _key_origin(lo_r, hi_r, lo_c, hi_c, kv_off, span_r, span_c, KH: tl.constexpr, KW: tl.constexpr,
+                    FULL: tl.constexpr):  # fmt: skip
+        """Where a query tile's key tiles start: the corner of its windows' union, or with FULL
+        aligned to where the keys inside all its windows begin (the last query's window start)."""
+        if FULL:
+            return (
+                _aligned_origin(lo_r, hi_r - span_r, hi_r, kv_off, KH),
+                _aligned_origin(lo_c, hi_c - span_c, hi_c, 0, KW),
+            )
+        return lo_r, lo_c
+
+    @triton.jit
+    def _key_tile_partial(t, o_r, o_c, tiles_c, lo_r, hi_r, lo_c, hi_c, span_r, span_c,
+                          KH: tl.constexpr, KW: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
+        """Whether key tile ``t`` needs the window test: some key lies outside some window of the
+        query tile (windows ``[lo, lo + span)`` to ``[hi - span, hi)``, starting monotonically).
+        Without FULL, every tile (a constant: no branch)."""
+        if FULL:
+            r, c = _tile_at(t, o_r, o_c, tiles_c, KH, KW)
+            return (r < hi_r - span_r) | (r + KH > lo_r + span_r) | (c < hi_c - span_c) | (c + KW > lo_c + span_c)
+        return True
+
+    @triton.jit
+    def _query_tile_partial(r, c, a_r, b_r, a_c, b_c, QH: tl.constexpr, QW: tl.constexpr, FULL: tl.constexpr):
+        """Whether the query tile at local ``r``, ``c`` needs the window test: some query lies outside
+        ``[a_r, b_r] x [a_c, b_c]``, those whose windows hold the whole key tile. Without FULL,
+        every tile."""
+        if FULL:
+            return (r < a_r) | (r + QH - 1 > b_r) | (c < a_c) | (c + QW - 1 > b_c)
+        return True
+
+    @triton.jit
     def _fna_forward(
         q_ptr, k_src, k_src1, v_src, v_src1, o_ptr, lse_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
@@ -305,24 +348,27 @@ if triton is not None:
         hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
+        FULL: tl.constexpr,
     ):  # fmt: skip
         b, h, rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
             hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
         )
+        o_r, o_c = _key_origin(lo_r, hi_r, lo_c, hi_c, kv_off, span_r, span_c, KH, KW, FULL)
         q_base = q_ptr + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h
         q0, q1 = _load(q_base, _offsets(rows, cols, sq_r, sq_c, WIDE), valid, D, D0, D1)
         m_i = tl.full([QH * QW], float("-inf"), tl.float32)
         l_i = tl.zeros([QH * QW], tl.float32)
         acc0, acc1 = _accumulators(QH * QW, D0, D1)
-        key_tiles, tiles_c = _tile_count(lo_r, hi_r, lo_c, hi_c, KH, KW)
+        key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
         for t in range(0, key_tiles):
             k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
-                t, lo_r, lo_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+                t, o_r, o_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
                 sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)  # unscaled: the scale joins exp2's argument
-            inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
-            s = tl.where(inside, s, float("-inf"))
+            if _key_tile_partial(t, o_r, o_c, tiles_c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
+                inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
+                s = tl.where(inside, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key of this tile yet
             p = tl.exp2(s * qk_scale - m_use[:, None])
@@ -348,6 +394,7 @@ if triton is not None:
         hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
+        FULL: tl.constexpr,
     ):  # fmt: skip
         """dQ of one query tile: the forward's loop, recomputing the probabilities from the lse."""
         b, h, rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
@@ -361,16 +408,19 @@ if triton is not None:
         lse = tl.load(lse_ptr + l_offs, mask=valid, other=0.0)
         delta = tl.load(delta_ptr + l_offs, mask=valid, other=0.0)
         dq0, dq1 = _accumulators(QH * QW, D0, D1)
-        key_tiles, tiles_c = _tile_count(lo_r, hi_r, lo_c, hi_c, KH, KW)
+        o_r, o_c = _key_origin(lo_r, hi_r, lo_c, hi_c, kv_off, span_r, span_c, KH, KW, FULL)
+        key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
         for t in range(0, key_tiles):
             k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
-                t, lo_r, lo_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+                t, o_r, o_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
                 sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)
             # (padding queries' rows are never stored and reach no other row)
-            inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
-            p = tl.where(inside, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+            p = tl.exp2(s * qk_scale - lse[:, None])
+            if _key_tile_partial(t, o_r, o_c, tiles_c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
+                inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
+                p = tl.where(inside, p, 0.0)
             dp = _products(do0, do1, v0, v1, D1, PRECISION)
             ds = (p * (dp - delta[:, None])).to(k0.dtype)
             dq0 += tl.dot(ds, k0, input_precision=PRECISION)
@@ -388,6 +438,7 @@ if triton is not None:
         hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
+        FULL: tl.constexpr,
     ):  # fmt: skip
         """dK and dV of one key tile (local rows of the band), over the band's query tiles whose
         windows reach it; scores computed transposed, (keys, queries). dK and dV share strides."""
@@ -411,6 +462,15 @@ if triton is not None:
         dk0, dk1 = _accumulators(KH * KW, D0, D1)
         dv0, dv1 = _accumulators(KH * KW, D0, D1)
         m = tl.arange(0, QH * QW)
+        # the queries whose windows hold the whole key tile, [a_r, b_r] x [a_c, b_c] (local rows):
+        # from the first whose window reaches its last key to the last whose window reaches its first
+        a_r = _first_query(tl.minimum(r0 + KH, hk) - 1 + kv_off, half, span_r) - q_off
+        b_r = _last_query(r0 + kv_off, half, grid_rows, span_r) - q_off
+        a_c = _first_query(tl.minimum(c0 + KW, w) - 1, half, span_c)
+        b_c = _last_query(c0, half, w, span_c)
+        if FULL:
+            lo_r = _aligned_origin(lo_r, a_r, hi_r, 0, QH)
+            lo_c = _aligned_origin(lo_c, a_c, hi_c, 0, QW)
         query_tiles, tiles_c = _tile_count(lo_r, hi_r, lo_c, hi_c, QH, QW)
         for t in range(0, query_tiles):
             r, c = _tile_at(t, lo_r, lo_c, tiles_c, QH, QW)
@@ -428,10 +488,12 @@ if triton is not None:
             delta = tl.load(delta_ptr + l_offs, mask=q_in, other=0.0)
             ws_r = _window_start(rows + q_off, half, grid_rows, span_r)
             ws_c = _window_start(cols, half, w, span_c)
-            # (queries not loaded are zeros with lse = delta = 0: they add nothing)
-            inside = _inside(ws_r[None, :], ws_c[None, :], k_r[:, None], k_c[:, None], span_r, span_c)
+            # (queries not loaded are zeros with lse = delta = 0: they add nothing, window or not)
             s = _products(k0, k1, q0, q1, D1, PRECISION)  # (keys, queries)
-            p = tl.where(inside, tl.exp2(s * qk_scale - lse[None, :]), 0.0)
+            p = tl.exp2(s * qk_scale - lse[None, :])
+            if _query_tile_partial(r, c, a_r, b_r, a_c, b_c, QH, QW, FULL):
+                inside = _inside(ws_r[None, :], ws_c[None, :], k_r[:, None], k_c[:, None], span_r, span_c)
+                p = tl.where(inside, p, 0.0)
             dp = _products(v0, v1, do0, do1, D1, PRECISION)
             ds = (p * (dp - delta[None, :])).to(q0.dtype)
             p = p.to(do0.dtype)
@@ -503,7 +565,7 @@ def _constants(q: Tensor, tiles: Tiles) -> dict:
     d0, d1 = head_split(d, tiles.split)
     return dict(
         D=d, D0=d0, D1=d1, QH=tiles.qh, QW=tiles.qw, KH=tiles.kh, KW=tiles.kw,
-        PRECISION="ieee" if q.dtype == torch.float32 else None,
+        PRECISION="ieee" if q.dtype == torch.float32 else None, FULL=tiles.full,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
