@@ -22,6 +22,7 @@ differ from this machine's where the versions differ.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import os
 import re
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recipes.stormscope import fused_natten  # noqa: E402
+from recipes.stormscope.natten import window_starts  # noqa: E402
 
 KERNELS = ("_fna_forward", "_fna_backward_dq", "_fna_backward_dkdv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -173,35 +175,27 @@ def full_tile_share(grid, kernel: int, tiles: fused_natten.Tiles, backward_kv: b
         return 0.0
     full = total = 1
     for n, q, k in zip(grid, (tiles.qh, tiles.qw), (tiles.kh, tiles.kw)):
-        span, half = min(kernel, n), kernel // 2
+        span = min(kernel, n)
+        starts = window_starts(torch.arange(n), kernel, n).tolist()  # non-decreasing
 
-        def start(p, n=n, span=span, half=half):
-            return min(max(p - half, 0), n - span)
-
-        def origin(lo, first_full, hi, t):
+        def origin(lo, first_full, hi, t):  # the kernels' _aligned_origin
             o = lo - (t - (first_full - lo) % t) % t
             return o if o >= 0 and -((o - hi) // t) == -((lo - hi) // t) else lo
 
         f = m = 0
         if backward_kv:  # key tiles of k, each against the query tiles whose windows reach it
-
-            def first_query(key, span=span, half=half):  # the first whose window reaches key
-                return 0 if key - span + 1 <= 0 else key - span + 1 + half
-
-            def last_query(key, n=n, span=span, half=half):  # the last whose window reaches key
-                return n - 1 if key >= n - span else key + half
-
             for k0 in range(0, n, k):
                 last = min(k0 + k, n) - 1
-                a, b = first_query(last), last_query(k0)  # the queries whose windows hold the tile
-                hi = min(last_query(last) + 1, n)
-                o = origin(first_query(k0), a, hi, q)
+                # the queries whose windows reach the tile, and those whose windows hold it, [a, b]
+                first, hi = bisect.bisect_left(starts, k0 - span + 1), bisect.bisect_right(starts, last)
+                a, b = bisect.bisect_left(starts, last - span + 1), bisect.bisect_right(starts, k0) - 1
+                o = origin(first, a, hi, q)
                 for r in range(o, hi, q):
                     m += 1
                     f += r >= a and r + q - 1 <= b
         else:  # query tiles of q, each against the key tiles of its windows' union
             for r0 in range(0, n, q):
-                lo, hi = start(r0), start(min(r0 + q, n) - 1) + span
+                lo, hi = starts[r0], starts[min(r0 + q, n) - 1] + span
                 o = origin(lo, hi - span, hi, k)
                 for r in range(o, hi, k):
                     m += 1

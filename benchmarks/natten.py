@@ -12,7 +12,8 @@ under 64, else 128-token blocks of 8 x 16), in 128-token blocks (``flex-128``) a
 token order (``flex-rows``), whose 128-token blocks are slivers of one row. ``fused`` is the
 recipe's Triton kernels (CUDA only); ``--fused-tiles`` adds a run per tile variant
 (``QHxQW/KHxKW/warps/stages``, ``/pad`` for heads padded to a power of two rather than split,
-``/tma`` for tiles loaded through tensor descriptors; for the three kernels alike), ``--impls`` picks which run:
+``/tma`` for tiles loaded through tensor descriptors, ``/full`` for the window test skipped on
+tiles inside every window; for the three kernels alike), ``--impls`` picks which run:
 
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16 --batch 4 \
         --impls flex fused --fused-tiles 8x16/8x8/8/3 8x8/8x8/4/3
@@ -157,11 +158,10 @@ def run_one(a, name) -> None:
         torch.randn(a.batch, a.heads, *a.grid, a.head_dim, device=device, dtype=DTYPES[a.dtype], requires_grad=True)
         for _ in range(3)
     )
-    if ":" in name:  # fused:QHxQW/KHxKW/warps/stages[/pad][/tma]
+    if ":" in name:  # fused:QHxQW/KHxKW/warps/stages[/pad][/tma][/full]
         name, tiles = name.split(":", 1)
-        variant = fused_natten.Tiles.parse(tiles)
-        fused_natten.TILES.update(fwd=variant, dq=variant, dkdv=variant)
-        fused_natten.TILES_FP32 = variant  # (--dtype fp32)
+        fused_natten.TILES.update(fused_natten.parse_tile_set(tiles))
+        fused_natten.TILES_FP32 = fused_natten.Tiles.parse(tiles)  # (--dtype fp32)
     try:
         t, m, f = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
     except Exception as e:  # noqa: BLE001 - OOM shows up as several exception types across devices
@@ -256,7 +256,7 @@ def best_tiles(results: dict) -> dict | None:
         if name == "fused":
             runs[name] = (dict(fused_natten.TILES), t, f)
         elif name.startswith("fused:"):
-            runs[name] = (dict.fromkeys(fused_natten.TILES, fused_natten.Tiles.parse(name[6:])), t, f)
+            runs[name] = (fused_natten.parse_tile_set(name[6:]), t, f)
     if not runs:
         return None
     fwd = min(runs.values(), key=lambda r: r[2])[0]

@@ -219,14 +219,14 @@ if triton is not None:
 
     @triton.jit
     def _keys_and_values(
-        t, lo_r, lo_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+        r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
         sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
         TMA: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
-        """Key tile ``t`` of a query tile's windows ``[lo_r, hi_r) x [lo_c, hi_c)`` (global rows):
-        its keys' rows and columns, and their k and v (two column blocks each)."""
-        r, c = _tile_at(t, lo_r, lo_c, tiles_c, KH, KW)
+        """The key tile from global row ``r``, column ``c`` of a query tile's windows, whose union
+        ends at ``hi_r``, ``hi_c``: its keys' rows and columns, and their k and v (two column blocks
+        each)."""
         n = tl.arange(0, KH * KW)
         k_r, k_c = r + n // KW, c + n % KW
         k_in = (k_r < hi_r) & (k_c < hi_c)  # the union's keys lie in the band (natten checks)
@@ -321,13 +321,12 @@ if triton is not None:
         return lo_r, lo_c
 
     @triton.jit
-    def _key_tile_partial(t, o_r, o_c, tiles_c, lo_r, hi_r, lo_c, hi_c, span_r, span_c,
+    def _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c,
                           KH: tl.constexpr, KW: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
-        """Whether key tile ``t`` needs the window test: some key lies outside some window of the
-        query tile (windows ``[lo, lo + span)`` to ``[hi - span, hi)``, starting monotonically).
-        Without FULL, every tile (a constant: no branch)."""
+        """Whether the key tile from ``r``, ``c`` needs the window test: some key lies outside some
+        window of the query tile (windows ``[lo, lo + span)`` to ``[hi - span, hi)``, starting
+        monotonically). Without FULL, every tile (a constant: no branch)."""
         if FULL:
-            r, c = _tile_at(t, o_r, o_c, tiles_c, KH, KW)
             return (r < hi_r - span_r) | (r + KH > lo_r + span_r) | (c < hi_c - span_c) | (c + KW > lo_c + span_c)
         return True
 
@@ -361,12 +360,13 @@ if triton is not None:
         acc0, acc1 = _accumulators(QH * QW, D0, D1)
         key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
         for t in range(0, key_tiles):
+            r, c = _tile_at(t, o_r, o_c, tiles_c, KH, KW)
             k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
-                t, o_r, o_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+                r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
                 sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)  # unscaled: the scale joins exp2's argument
-            if _key_tile_partial(t, o_r, o_c, tiles_c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
+            if _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
                 inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
                 s = tl.where(inside, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units
@@ -411,14 +411,15 @@ if triton is not None:
         o_r, o_c = _key_origin(lo_r, hi_r, lo_c, hi_c, kv_off, span_r, span_c, KH, KW, FULL)
         key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
         for t in range(0, key_tiles):
+            r, c = _tile_at(t, o_r, o_c, tiles_c, KH, KW)
             k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
-                t, o_r, o_c, hi_r, hi_c, tiles_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+                r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
                 sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)
             # (padding queries' rows are never stored and reach no other row)
             p = tl.exp2(s * qk_scale - lse[:, None])
-            if _key_tile_partial(t, o_r, o_c, tiles_c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
+            if _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
                 inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
                 p = tl.where(inside, p, 0.0)
             dp = _products(do0, do1, v0, v1, D1, PRECISION)
