@@ -134,7 +134,14 @@ def format_tile_set(tiles: dict[str, Tiles]) -> str:
 
 
 def _tiles(name: str, q: Tensor) -> Tiles:
-    return TILES_FP32 if q.dtype == torch.float32 else TILES[name]
+    """The tiles kernel ``name`` runs with on ``q``. Compiled, its matrix products sum over a
+    tile's queries or keys, and Triton's need at least 16 terms (the interpreter takes fewer)."""
+    tiles = TILES_FP32 if q.dtype == torch.float32 else TILES[name]
+    if min(tiles.qh * tiles.qw, tiles.kh * tiles.kw) < 16 and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"fused attention tiles {tiles} ({name}): a GPU needs at least 16 queries and 16 keys per tile"
+        )
+    return tiles
 
 
 def head_split(d: int, split: bool = True) -> tuple[int, int]:
@@ -169,8 +176,8 @@ if triton is not None:
     @triton.jit
     def _offsets(rows, cols, s_r, s_c, WIDE: tl.constexpr):
         """Element offsets of the tokens at ``rows``, ``cols`` (64-bit if WIDE)."""
-        if WIDE:
-            return rows.to(tl.int64) * s_r + cols.to(tl.int64) * s_c
+        if WIDE:  # (one return: a compiled kernel's branches must agree on its type)
+            rows, cols = rows.to(tl.int64), cols.to(tl.int64)
         return rows * s_r + cols * s_c
 
     @triton.jit

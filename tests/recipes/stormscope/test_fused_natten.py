@@ -56,6 +56,14 @@ def _close(got, want, atol, rtol=0.0):
         torch.testing.assert_close(a.double().cpu(), b.double().cpu(), atol=atol, rtol=rtol, msg=name)
 
 
+def _set_fp32_tiles(monkeypatch, tiles: str, device: str) -> None:
+    """The float32 tests' tiles; those under 16 queries or keys run only interpreted."""
+    parsed = fused_natten.Tiles.parse(tiles)
+    if device == "cuda" and min(parsed.qh * parsed.qw, parsed.kh * parsed.kw) < 16:
+        pytest.skip("a GPU's matrix products need tiles of 16 queries and 16 keys")
+    monkeypatch.setattr(fused_natten, "TILES_FP32", parsed)
+
+
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
@@ -77,14 +85,14 @@ def test_fused_equals_dense_attention_forward_and_backward(device, case):
     "tiles",
     [
         "8x8/8x8", "8x16/8x8", "16x8/4x16", "2x8/8x2", "8x8/8x8/4/2/pad", "8x8/8x8/4/2/tma", "4x8/8x4/4/2/pad/tma",
-        "4x4/4x4/4/2/full", "2x4/4x2/4/2/pad/tma/full",
+        "4x4/4x4/4/2/full", "4x4/4x4/4/2/pad/tma/full", "2x4/4x2/4/2/pad/tma/full",
     ],
 )  # fmt: skip
 def test_every_tile_shape_computes_the_same(device, tiles, monkeypatch):
     # the 16-bit tiles (8 x 8) and others a GPU may measure faster, on ragged grids, heads of 48
     # split (32 + 16) or padded (64), loaded by pointers or through tensor descriptors, tiles inside
     # every window without the window test (float32 here)
-    monkeypatch.setattr(fused_natten, "TILES_FP32", fused_natten.Tiles.parse(tiles))
+    _set_fp32_tiles(monkeypatch, tiles, device)
     if "tma" in tiles and fused_natten._TensorDescriptor is None:
         pytest.skip("this Triton has no tensor descriptors")
     rows, cols, heads, dim, kernel = 13, 21, 1, 48, 7
@@ -125,14 +133,16 @@ def test_bands_with_halos_equal_the_rows_of_the_whole_grid(device):
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seed, tiles", [*((s, None) for s in range(6)), (7, "4x4/2x4/4/2/full")])
+@pytest.mark.parametrize(
+    "seed, tiles", [*((s, None) for s in range(6)), (7, "4x4/2x4/4/2/full"), (9, "4x4/4x4/4/2/full")]
+)
 def test_random_bands_of_random_grids_equal_dense_attention(device, seed, tiles, monkeypatch):
     # any grid, kernel (wider than the grid included), band and halo the checks admit; odd seeds
-    # take the 64-bit offsets a sample of 2**31 elements would; the last skips the window test on
+    # take the 64-bit offsets a sample of 2**31 elements would; the last two skip the window test on
     # tiles inside every window (small tiles, so that there are such tiles, on a band whose key
     # tiles' corner may move back no further than its first key row)
     if tiles:
-        monkeypatch.setattr(fused_natten, "TILES_FP32", fused_natten.Tiles.parse(tiles))
+        _set_fp32_tiles(monkeypatch, tiles, device)
     g = torch.Generator().manual_seed(seed)
 
     def pick(lo, hi):
@@ -425,6 +435,30 @@ def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_co
             assert r["full_tile_instructions_per_score"] < 0.9 * r["instructions_per_score"], r
         else:
             assert r["full_tile_instructions_per_score"] == r["instructions_per_score"], r
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
+@pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
+@pytest.mark.parametrize("tiles", [None, "8x8/8x8/4/2/pad/tma/full"])
+def test_the_kernels_with_64_bit_offsets_build_for_hopper(tiles, monkeypatch):
+    # Samples of 2**31 elements or more take 64-bit element offsets (a static branch the
+    # interpreter runs as Python, where a compiled kernel's branches must agree on their types)
+    from benchmarks import kernel_build
+
+    monkeypatch.setattr(fused_natten, "_wide", lambda *tensors: True)
+    calls = kernel_build.launches((24, 40), 2, 48, 7, 1, torch.bfloat16, tiles and fused_natten.Tiles.parse(tiles))
+    assert all(kw["WIDE"] for _, _, _, kw in calls)
+    for kernel, _, args, kw in calls:
+        r = kernel_build.report(kernel, args, kw, 90)
+        assert r["tensor_core"] == "wgmma", r
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs tiles of any size")
+def test_tiles_under_16_queries_or_keys_are_refused_before_a_compiled_launch(monkeypatch):
+    monkeypatch.setitem(fused_natten.TILES, "fwd", fused_natten.Tiles.parse("2x4/4x4"))
+    q = torch.zeros(1, 1, 8, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"tiles 2x4/4x4/4/2 \(fwd\): a GPU needs at least 16 queries and 16 keys"):
+        fused_natten.natten_forward(q, q, q, 3, 0, 0, 8)
 
 
 def test_the_full_tiles_share_is_the_interior_of_the_windows():
