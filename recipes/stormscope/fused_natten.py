@@ -98,12 +98,12 @@ class Tiles(NamedTuple):
 
 # 16-bit tiles of 8 x 8 tokens: a query tile's windows (kernel 31) span 38 x 38 keys, covered by
 # 5 x 5 key tiles; at the preset's 128 x 160 tokens 65.9% of the computed scores are inside a
-# window, as with flex's 64-token blocks (8 x 16 tiles: 56.4%). Chosen by that count and by
-# their build for sm90 (no spills, pipelined loads:
-# benchmarks/kernel_build.py), not yet by a measurement: benchmarks/natten.py --fused-tiles
-# compares others on a GPU.
+# window, as with flex's 64-token blocks (8 x 16 tiles: 56.4%). No spills, pipelined loads on
+# sm90 (benchmarks/kernel_build.py). The fastest of benchmarks/natten.py --best-tiles on an H200
+# (the preset's layer, bf16): the forward with heads padded, TMA loads and the window test
+# skipped on full tiles (1.71 ms against 2.01), the backward as they are (/tma and /full slower).
 TILES = {
-    "fwd": Tiles(8, 8, 8, 8),
+    "fwd": Tiles(8, 8, 8, 8, split=False, tma=True, full=True),
     "dq": Tiles(8, 8, 8, 8),
     "dkdv": Tiles(8, 8, 8, 8),
 }
@@ -584,6 +584,8 @@ def _use_tma(tiles: Tiles, *tensors: Tensor) -> bool:
     strides); otherwise by pointers."""
     if not tiles.tma or _TensorDescriptor is None:
         return False
+    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False  # no copy engine before Hopper
     return all(_tma_aligned(t) for t in tensors)
 
 

@@ -413,7 +413,12 @@ def _ptxas_ships() -> bool:
 @pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
 @pytest.mark.parametrize(
     "dtype, tiles",
-    [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "8x8/8x8/4/2/pad/tma/full")],
+    [
+        (torch.bfloat16, None),
+        (torch.float32, None),
+        (torch.bfloat16, "8x8/8x8/4/2"),
+        (torch.bfloat16, "8x8/8x8/4/2/pad/tma/full"),
+    ],
 )
 def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_cores(dtype, tiles):
     # The interpreter never compiles a kernel: this builds the StormScope layer's three launches
@@ -423,15 +428,18 @@ def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_co
     # the loop the pipeliner must keep its loads through, and that shortens the loop's path.
     from benchmarks import kernel_build
 
-    calls = kernel_build.launches((128, 160), 16, 48, 31, 4, dtype, tiles and fused_natten.Tiles.parse(tiles))
+    asked = tiles and fused_natten.Tiles.parse(tiles)
+    calls = kernel_build.launches((128, 160), 16, 48, 31, 4, dtype, asked)
     assert [c[0].__name__ for c in calls] == list(kernel_build.KERNELS)
-    for kernel, _, args, kw in calls:
+    for (kernel, _, args, kw), name in zip(calls, ("fwd", "dq", "dkdv")):
+        # None: the defaults, per kernel (the forward's loads through descriptors, skipping on full tiles)
+        t = asked or (fused_natten.TILES_FP32 if dtype == torch.float32 else fused_natten.TILES[name])
         r = kernel_build.report(kernel, args, kw, 90)
-        loads = r["tma_loads"] if tiles else r["async_loads"]
+        loads = r["tma_loads"] if t.tma else r["async_loads"]
         assert loads > 0 and r["spill_bytes"] == 0, r  # K/V (or Q/dO) loads pipelined
         if dtype == torch.bfloat16:
             assert r["tensor_core"] == "wgmma", r
-        if tiles:  # the branch skips the window test: a shorter path (10-20% at 8 x 8)
+        if t.full:  # the branch skips the window test: a shorter path (10-20% at 8 x 8)
             assert r["full_tile_instructions_per_score"] < 0.9 * r["instructions_per_score"], r
         else:
             assert r["full_tile_instructions_per_score"] == r["instructions_per_score"], r
@@ -490,7 +498,10 @@ def _split_fused(rank, world):
     model = randomize(_dit(**kw), seed=5, std=0.2)
     x, args = _inputs(kw, seed=15)
     dg = DomainGroup(torch.distributed.group.WORLD, SPLITS[2]["thin first band"])
-    compare_split("fused DiT", model, dg, x, split_fn=split, args=args, seed=5, tol=dict(rtol=1e-4, atol=1e-5))
+    # float32: the summed parameter gradients reach 66 here, so round-off of a few 1e-5 lands on
+    # their small entries (the rounding depends on the CPU's vector width); a wrong halo or mask is
+    # off by 1e-2 and more
+    compare_split("fused DiT", model, dg, x, split_fn=split, args=args, seed=5, tol=dict(rtol=1e-4, atol=1e-4))
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (on GPUs the gpu tests train it on 2 ranks)")

@@ -165,6 +165,15 @@ def test_the_auto_block_on_cuda_is_64_on_hopper_for_small_16_bit_heads_and_compu
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+def test_auto_is_the_fused_kernels_on_cuda_and_flex_where_triton_cannot_take_the_dtype():
+    q = torch.empty(1, 2, 8, 8, 16, device="cuda")
+    assert natten.resolved_impl("auto", q) == natten.resolved_impl("auto", q.bfloat16()) == "fused"
+    assert natten.resolved_impl("auto", q.double()) == "flex"
+    assert natten.resolved_impl("auto", q[..., :8].double()) == "reference"  # flex needs heads of 16
+    assert natten.resolved_impl("auto", q.cpu()) == "reference"
+
+
 @pytest.mark.skipif(not flex_runs_on_cpu(), reason="flex_attention does not run on CPU in this torch")
 def test_a_fake_tensor_trace_leaves_no_block_mask_in_the_cache():
     """Steps traced on fake tensors (mode=plan, precompilation's discovery) must not cache a mask
