@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.stormscope import natten
+from recipes.stormscope import fused_natten, natten
 from recipes.stormscope.natten import (
     _grid_mask,
     block_flags,
@@ -163,6 +163,17 @@ def test_the_auto_block_on_cuda_is_64_on_hopper_for_small_16_bit_heads_and_compu
         outs.append((out, *torch.autograd.grad(out, (q, k, v), g)))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_auto_stays_on_the_reference_on_cpu_even_where_triton_would_interpret_the_kernels(monkeypatch):
+    """The interpreter runs the fused kernels on CPU (the CPU tests use it), slowly: ``auto`` must
+    never pick it for a CPU run."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.empty(1, 2, 8, 8, 16)
+    if fused_natten.triton is not None:
+        assert fused_natten.available(q)
+    assert natten.resolved_impl("auto", q) == natten.resolved_impl("auto", q.bfloat16()) == "reference"
+    assert natten.resolved_impl("fused", q) == "fused"
 
 
 @pytest.mark.gpu
