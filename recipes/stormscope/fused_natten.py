@@ -46,12 +46,17 @@ except ImportError:  # (Triton before 3.3, or none): pointer loads only
     _TensorDescriptor = None
 
 
+def _interpreted() -> bool:
+    """Triton's interpreter runs the kernels (as Python, on any device)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available(q: Tensor) -> bool:
     """The kernels can run on ``q``: Triton is installed and ``q`` is a float32 or half-precision
     CUDA tensor (or any device under Triton's interpreter)."""
     if triton is None or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    return (q.is_cuda and torch.cuda.is_available()) or os.environ.get("TRITON_INTERPRET") == "1"
+    return (q.is_cuda and torch.cuda.is_available()) or _interpreted()
 
 
 class Tiles(NamedTuple):
@@ -137,7 +142,7 @@ def _tiles(name: str, q: Tensor) -> Tiles:
     """The tiles kernel ``name`` runs with on ``q``. Compiled, its matrix products sum over a
     tile's queries or keys, and Triton's need at least 16 terms (the interpreter takes fewer)."""
     tiles = TILES_FP32 if q.dtype == torch.float32 else TILES[name]
-    if min(tiles.qh * tiles.qw, tiles.kh * tiles.kw) < 16 and os.environ.get("TRITON_INTERPRET") != "1":
+    if min(tiles.qh * tiles.qw, tiles.kh * tiles.kw) < 16 and not _interpreted():
         raise ValueError(
             f"fused attention tiles {tiles} ({name}): a GPU needs at least 16 queries and 16 keys per tile"
         )

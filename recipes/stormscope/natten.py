@@ -566,9 +566,12 @@ def resolved_impl(impl: str, q: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"neighbourhood attention impl must be one of {IMPLS}, got impl={impl!r}")
     if impl == "auto":
-        impl = "reference"
-        if q.is_cuda:
-            impl = "fused" if fused_natten.available(q) else ("flex" if flex_supported(q) else "reference")
+        if q.is_cuda and fused_natten.available(q):
+            impl = "fused"
+        elif q.is_cuda and flex_supported(q):
+            impl = "flex"
+        else:
+            impl = "reference"
     return "reference" if impl != "reference" and _counting_flops() else impl
 
 
