@@ -136,6 +136,7 @@ def report(kernel, args, kw, arch: int) -> dict:
         "registers": int(regs.group(1)) if regs else None,
         "spill_bytes": int(spills.group(1)) if spills else None,
         "shared_bytes": compiled.metadata.shared,
+        "atomics": len(re.findall(r"\b(?:red|atom)\.global", compiled.asm["ptx"])),  # /atomic's dQ adds
         "async_loads": ttgir.count("async_copy_global_to_local"),  # cp.async, pipelined
         "tma_loads": ttgir.count("async_tma_copy_global_to_local"),  # the copy engine's, pipelined
         # Hopper's warp-group MMA, the older per-warp MMA, or none (float32 "ieee" products run on FMAs)
@@ -243,7 +244,11 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
     p.add_argument(
-        "--tiles", type=parse_tiles, nargs="*", default=[None], help="QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full]"
+        "--tiles",
+        type=parse_tiles,
+        nargs="*",
+        default=[None],
+        help="QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic]",
     )
     a = p.parse_args(argv)
     for tiles in a.tiles:
@@ -264,7 +269,8 @@ def main(argv=None) -> None:
                 f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled, "
                 f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, {r['async_loads']} async + {r['tma_loads']} TMA loads, "
                 f"{r['tensor_core']}, {r.get('num_warps')} warps, {r.get('num_stages')} stages, "
-                f"{mean:.1f} instructions/score{paths}"
+                + (f"{r['atomics']} atomic adds (dQ), " if r["atomics"] else "")
+                + f"{mean:.1f} instructions/score{paths}"
             )
 
 

@@ -13,10 +13,12 @@ token order (``flex-rows``), whose 128-token blocks are slivers of one row. ``fu
 recipe's Triton kernels (CUDA only); ``--fused-tiles`` adds a run per tile variant
 (``QHxQW/KHxKW/warps/stages``, ``/pad`` for heads padded to a power of two rather than split,
 ``/tma`` for tiles loaded through tensor descriptors, ``/full`` for the window test skipped on
-tiles inside every window; for the three kernels alike), ``--impls`` picks which run:
+tiles inside every window, ``/atomic`` for dQ added up by the dK/dV kernel; for the three kernels
+alike, or per kernel as ``fwd=SPEC,dq=SPEC,dkdv=SPEC``, the rest as they are), ``--impls`` picks
+which run:
 
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16 --batch 4 \
-        --impls flex fused --fused-tiles 8x16/8x8/8/3 8x8/8x8/4/3
+        --impls flex fused --fused-tiles 8x16/8x8/8/3 8x8/8x8/4/3 dkdv=8x8/8x8/4/2/atomic
 
 Each row gives the forward alone and forward + backward. ``--best-tiles FILE`` writes the fastest
 fused variants, the forward's by forward time and the backward kernels' by the rest
@@ -41,7 +43,6 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.kernel_build import parse_tiles  # noqa: E402
 from recipes.stormscope import fused_natten  # noqa: E402
 from recipes.stormscope.natten import (  # noqa: E402
     dense_neighbourhood_attention,
@@ -158,10 +159,11 @@ def run_one(a, name) -> None:
         torch.randn(a.batch, a.heads, *a.grid, a.head_dim, device=device, dtype=DTYPES[a.dtype], requires_grad=True)
         for _ in range(3)
     )
-    if ":" in name:  # fused:QHxQW/KHxKW/warps/stages[/pad][/tma][/full]
+    if ":" in name:  # fused:SPEC or fused:fwd=SPEC,dq=SPEC,dkdv=SPEC (some of them)
         name, tiles = name.split(":", 1)
         fused_natten.TILES.update(fused_natten.parse_tile_set(tiles))
-        fused_natten.TILES_FP32 = fused_natten.Tiles.parse(tiles)  # (--dtype fp32)
+        if "=" not in tiles:
+            fused_natten.TILES_FP32 = fused_natten.Tiles.parse(tiles)  # (--dtype fp32)
     try:
         t, m, f = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
     except Exception as e:  # noqa: BLE001 - OOM shows up as several exception types across devices
@@ -187,7 +189,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); default: torch's choice")
     p.add_argument("--skip-dense", action="store_true", help="skip dense masked attention (O((HW)^2) memory)")
     p.add_argument("--impls", nargs="*", choices=sorted(IMPLS), help="which to run (default: all that run here)")
-    p.add_argument("--fused-tiles", nargs="*", type=parse_tiles, default=[], help="fused tile variants to add")
+    p.add_argument("--fused-tiles", nargs="*", type=tile_variant, default=[], help="fused tile variants to add")
     p.add_argument("--best-tiles", type=Path, help="write the fastest fused tiles per kernel here")
     p.add_argument("--only", help=argparse.SUPPRESS)  # internal: the child's job
     a = p.parse_args(argv)
@@ -248,6 +250,17 @@ def main(argv=None):
             print(f"fastest fused tiles: {fused_natten.format_tile_set(best)} (written to {a.best_tiles})")
 
 
+def tile_variant(text: str) -> str:
+    """One ``--fused-tiles`` variant in its canonical notation: SPEC for the three kernels, or
+    ``fwd=SPEC,dq=SPEC,dkdv=SPEC`` (some of them; the rest keep the defaults)."""
+    try:
+        if "=" in text:
+            return fused_natten.format_tile_set(fused_natten.parse_tile_set(text))
+        return str(fused_natten.Tiles.parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def best_tiles(results: dict) -> dict | None:
     """The fastest fused tiles per kernel among ``results`` (name -> (fwd+bwd s, bytes, fwd s)):
     the forward's by its time, the backward's two (measured together) by the remainder."""
@@ -256,7 +269,7 @@ def best_tiles(results: dict) -> dict | None:
         if name == "fused":
             runs[name] = (dict(fused_natten.TILES), t, f)
         elif name.startswith("fused:"):
-            runs[name] = (fused_natten.parse_tile_set(name[6:]), t, f)
+            runs[name] = ({**fused_natten.TILES, **fused_natten.parse_tile_set(name[6:])}, t, f)
     if not runs:
         return None
     fwd = min(runs.values(), key=lambda r: r[2])[0]

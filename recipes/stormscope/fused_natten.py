@@ -13,7 +13,10 @@ of the union of its queries' windows, so no block order or block mask exists: a 
 when its key lies in its query's clamped window (four comparisons). Heads of 48 are two products,
 32 and 16 wide, instead of one padded to 64. Backward is FlashAttention-2's: one kernel per key
 tile for dK and dV (over the query tiles whose windows reach it) and one per query tile for dQ,
-from the forward's log-sum-exp.
+from the forward's log-sum-exp. Opt-in (``/atomic`` on its tiles), the dK/dV kernel adds
+each query tile's share of dQ to a float32 buffer by atomic adds instead, so the scores and their
+gradients are computed once, not twice (FlashAttention-3's way); the order of those additions
+varies between runs, so torch's deterministic algorithms (``deterministic=true``) keep two kernels.
 
 Same semantics as ``natten``: NATTEN's clamped windows, bands of rows with global offsets for
 domain parallelism (the queries' windows must lie in the key band, which ``natten`` checks).
@@ -64,7 +67,9 @@ class Tiles(NamedTuple):
     ``split``: heads whose width is no power of two as two products (48: 32 + 16) rather than one
     padded (48: 64; fewer instructions per tile, more tensor-core work); ``tma``: the loops' tiles
     through tensor descriptors; ``full``: the window test skipped on tiles inside every window of
-    the other side's tile, with the tiles laid out to make as many such as they can."""
+    the other side's tile, with the tiles laid out to make as many such as they can; ``atomic``
+    (the dK/dV kernel's alone): that kernel also adds dQ up, by float32 atomic adds, and no dQ
+    kernel runs (except under torch's deterministic algorithms)."""
 
     qh: int
     qw: int
@@ -75,13 +80,14 @@ class Tiles(NamedTuple):
     split: bool = True
     tma: bool = False
     full: bool = False
+    atomic: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
-        """From ``QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full]`` (the benchmarks' notation;
-        ``pad``: no split)."""
+        """From ``QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic]`` (the benchmarks'
+        notation; ``pad``: no split)."""
         parts = text.split("/")
-        flags = [p for p in parts[2:] if p in ("pad", "tma", "full")]
+        flags = [p for p in parts[2:] if p in ("pad", "tma", "full", "atomic")]
         try:
             (qh, qw), (kh, kw) = ([int(x) for x in p.split("x")] for p in parts[:2])
             numbers = [int(x) for x in parts[2 : len(parts) - len(flags)]]
@@ -93,11 +99,15 @@ class Tiles(NamedTuple):
             or len(set(flags)) < len(flags)
             or parts[len(parts) - len(flags) :] != flags
         ):
-            raise ValueError(f"tiles must read QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full], got {text!r}")
-        return cls(qh, qw, kh, kw, *numbers, split="pad" not in flags, tma="tma" in flags, full="full" in flags)
+            raise ValueError(f"tiles must read QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic], got {text!r}")
+        return cls(
+            qh, qw, kh, kw, *numbers,
+            split="pad" not in flags, tma="tma" in flags, full="full" in flags, atomic="atomic" in flags,
+        )  # fmt: skip
 
     def __str__(self) -> str:
         flags = ("" if self.split else "/pad") + ("/tma" if self.tma else "") + ("/full" if self.full else "")
+        flags += "/atomic" if self.atomic else ""
         return f"{self.qh}x{self.qw}/{self.kh}x{self.kw}/{self.warps}/{self.stages}{flags}"
 
 
@@ -264,6 +274,20 @@ if triton is not None:
             tl.store(ptr, x0.to(base.dtype.element_ty), mask=valid[:, None])
         if D1 > 0:
             tl.store(base + offs + D0 + tl.arange(0, D1)[None, :], x1.to(base.dtype.element_ty), mask=valid[:, None])
+
+    @triton.jit
+    def _accumulate(base, offs, valid, x0, x1, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
+        """``_store``'s atomic add: a float32 (tokens, head_dim) tile added where it lies (relaxed
+        order: only the sum is read, after the kernel)."""
+        offs = offs[:, None]
+        d0 = tl.arange(0, D0)
+        if D0 > D:
+            tl.atomic_add(base + offs + d0[None, :], x0, mask=valid[:, None] & (d0[None, :] < D), sem="relaxed")
+        else:
+            tl.atomic_add(base + offs + d0[None, :], x0, mask=valid[:, None], sem="relaxed")
+        if D1 > 0:
+            d1 = D0 + tl.arange(0, D1)
+            tl.atomic_add(base + offs + d1[None, :], x1, mask=valid[:, None], sem="relaxed")
 
     @triton.jit
     def _products(a0, a1, b0, b1, D1: tl.constexpr, PRECISION: tl.constexpr):
@@ -445,16 +469,17 @@ if triton is not None:
 
     @triton.jit
     def _fna_backward_dkdv(
-        q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
-        sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c,
+        sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c, sdq_b, sdq_h, sdq_r, sdq_c,
         hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
-        FULL: tl.constexpr,
+        FULL: tl.constexpr, ATOMIC: tl.constexpr,
     ):  # fmt: skip
         """dK and dV of one key tile (local rows of the band), over the band's query tiles whose
-        windows reach it; scores computed transposed, (keys, queries). dK and dV share strides."""
+        windows reach it; scores computed transposed, (keys, queries). dK and dV share strides.
+        With ATOMIC, each query tile's share of dQ is also added to ``dq_ptr`` (float32, zeroed)."""
         b, h = tl.program_id(2), tl.program_id(1)
         tiles_w = tl.cdiv(w, KW)
         r0, c0 = (tl.program_id(0) // tiles_w) * KH, (tl.program_id(0) % tiles_w) * KW
@@ -515,6 +540,15 @@ if triton is not None:
             if D1 > 0:
                 dv1 += tl.dot(p, do1, input_precision=PRECISION)
                 dk1 += tl.dot(ds, q1, input_precision=PRECISION)
+            if ATOMIC:  # (queries outside the range: masked; their ds is zero anyway)
+                ds_t = tl.trans(ds)
+                dq0 = tl.dot(ds_t, k0, input_precision=PRECISION) * sm_scale
+                if D1 > 0:
+                    dq1 = tl.dot(ds_t, k1, input_precision=PRECISION) * sm_scale
+                else:
+                    dq1 = dq0
+                dq_base = dq_ptr + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h
+                _accumulate(dq_base, _offsets(rows, cols, sdq_r, sdq_c, WIDE), q_in, dq0, dq1, D, D0, D1)
         offs = _offsets(k_rows, k_c, sg_r, sg_c, WIDE)
         bh_g = b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
         _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1)
@@ -610,6 +644,12 @@ def _sources(t: Tensor, th: int, tw: int, tiles: Tiles, tma: bool) -> tuple:
     return tuple(_TensorDescriptor(t, shape, strides, [1, 1, th, tw, w]) for w in (d0, d1 or d0))
 
 
+def _atomic_dq(tiles: Tiles) -> bool:
+    """dQ by the dK/dV kernel's atomic adds: where its tiles ask and torch's deterministic
+    algorithms are off (the order of float32 additions, hence dQ's last bits, varies by run)."""
+    return tiles.atomic and not torch.are_deterministic_algorithms_enabled()
+
+
 def _device_of(t: Tensor):
     """Triton launches on the current CUDA device: make it ``t``'s."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -662,31 +702,36 @@ def natten_backward(
     # come back from a saved-tensor hook in another layout than the forward made)
     delta = torch.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=lse.device)
     torch.sum(grad.float() * out.float(), dim=-1, out=delta)
-    dq, dk, dv = _token_major(q, g.hq), _token_major(k, g.hk), _token_major(k, g.hk)
+    dkdv_tiles = _tiles("dkdv", q)
+    atomic = _atomic_dq(dkdv_tiles)
+    # (atomic: dQ is summed in float32, in the layout it is handed back in)
+    dq = _token_major(q, g.hq, torch.float32).zero_() if atomic else _token_major(q, g.hq)
+    dk, dv = _token_major(k, g.hk), _token_major(k, g.hk)
     b = q.shape[0]
     sm_scale, qk_scale = _scales(q.shape[-1])
     scalars = (g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale, sm_scale)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(lse))
     wide = _wide(grad, q, k, v, out, dq, dk)
-    tiles = _tiles("dq", q)
-    grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
-    tma = _use_tma(tiles, k, v)
-    sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
-    with _device_of(q):
-        _fna_backward_dq[grid](
-            q, *sources, grad, lse, delta, dq, *common, *_strides(dq), *scalars, WIDE=wide, TMA=tma,
-            **_constants(q, tiles),
-        )  # fmt: skip
-    tiles = _tiles("dkdv", q)
+    if not atomic:
+        tiles = _tiles("dq", q)
+        grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
+        tma = _use_tma(tiles, k, v)
+        sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
+        with _device_of(q):
+            _fna_backward_dq[grid](
+                q, *sources, grad, lse, delta, dq, *common, *_strides(dq), *scalars, WIDE=wide, TMA=tma,
+                **_constants(q, tiles),
+            )  # fmt: skip
+    tiles = dkdv_tiles
     grid = (triton.cdiv(g.hk, tiles.kh) * triton.cdiv(g.w, tiles.kw), g.heads, b)
     tma = _use_tma(tiles, q, grad)
     q_sources, grad_sources = (_sources(t, tiles.qh, tiles.qw, tiles, tma) for t in (q, grad))
     with _device_of(q):
         _fna_backward_dkdv[grid](
-            *q_sources, k, v, *grad_sources, lse, delta, dk, dv, *common, *_strides(dk),
-            scalars[0], g.hk, *scalars[1:], WIDE=wide, TMA=tma, **_constants(q, tiles),
+            *q_sources, k, v, *grad_sources, lse, delta, dk, dv, dq, *common, *_strides(dk), *_strides(dq),
+            scalars[0], g.hk, *scalars[1:], WIDE=wide, TMA=tma, ATOMIC=atomic, **_constants(q, tiles),
         )  # fmt: skip
-    return dq, dk, dv
+    return dq.to(q.dtype), dk, dv  # (.to keeps the token-major strides; a no-op unless atomic)
 
 
 @natten_backward.register_fake

@@ -86,12 +86,13 @@ def test_fused_equals_dense_attention_forward_and_backward(device, case):
     [
         "8x8/8x8", "8x16/8x8", "16x8/4x16", "2x8/8x2", "8x8/8x8/4/2/pad", "8x8/8x8/4/2/tma", "4x8/8x4/4/2/pad/tma",
         "4x4/4x4/4/2/full", "4x4/4x4/4/2/pad/tma/full", "2x4/4x2/4/2/pad/tma/full",
+        "4x8/8x4/4/2/atomic", "4x8/8x4/4/2/pad/tma/full/atomic",
     ],
 )  # fmt: skip
 def test_every_tile_shape_computes_the_same(device, tiles, monkeypatch):
     # the 16-bit tiles (8 x 8) and others a GPU may measure faster, on ragged grids, heads of 48
     # split (32 + 16) or padded (64), loaded by pointers or through tensor descriptors, tiles inside
-    # every window without the window test (float32 here)
+    # every window without the window test, dQ added up by the dK/dV kernel (float32 here)
     _set_fp32_tiles(monkeypatch, tiles, device)
     if "tma" in tiles and fused_natten._TensorDescriptor is None:
         pytest.skip("this Triton has no tensor descriptors")
@@ -134,13 +135,18 @@ def test_bands_with_halos_equal_the_rows_of_the_whole_grid(device):
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "seed, tiles", [*((s, None) for s in range(6)), (7, "4x4/2x4/4/2/full"), (9, "4x4/4x4/4/2/full")]
-)
+    "seed, tiles",
+    [
+        *((s, None) for s in range(6)), (7, "4x4/2x4/4/2/full"), (9, "4x4/4x4/4/2/full"),
+        (11, "4x4/4x4/4/2/full/atomic"), (12, "4x8/4x4/4/2/atomic"),
+    ],
+)  # fmt: skip
 def test_random_bands_of_random_grids_equal_dense_attention(device, seed, tiles, monkeypatch):
     # any grid, kernel (wider than the grid included), band and halo the checks admit; odd seeds
-    # take the 64-bit offsets a sample of 2**31 elements would; the last two skip the window test on
-    # tiles inside every window (small tiles, so that there are such tiles, on a band whose key
-    # tiles' corner may move back no further than its first key row)
+    # take the 64-bit offsets a sample of 2**31 elements would; the /full ones skip the window test
+    # on tiles inside every window (small tiles, so that there are such tiles, on a band whose key
+    # tiles' corner may move back no further than its first key row); the /atomic ones add dQ up in
+    # the dK/dV kernel, at the band's query offsets
     if tiles:
         _set_fp32_tiles(monkeypatch, tiles, device)
     g = torch.Generator().manual_seed(seed)
@@ -192,11 +198,14 @@ def test_reads_the_projections_views_in_place_and_writes_heads_merged(device):
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_is_as_close_as_sdpa_in_the_same_dtype(device, dtype):
+@pytest.mark.parametrize("atomic", [False, True], ids=["dq-kernel", "atomic-dq"])
+def test_half_precision_is_as_close_as_sdpa_in_the_same_dtype(device, dtype, atomic, monkeypatch):
     # products in the inputs' dtype, softmax and sums in float32: about as far from the float64
-    # truth as torch's own attention on the same rounded inputs (fp16 on CPU: 0.4-1.1e-3 each)
+    # truth as torch's own attention on the same rounded inputs (fp16 on CPU: 0.4-1.1e-3 each);
+    # dQ summed in float32 by atomic adds, then rounded once, is no further
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter (3.9) multiplies bfloat16 tiles wrongly in tl.dot; the GPU runs this")
+    monkeypatch.setitem(fused_natten.TILES, "dkdv", fused_natten.TILES["dkdv"]._replace(atomic=atomic))
     rows, cols, heads, dim, kernel = 12, 20, 2, 48, 7
     q, k, v, dy = (t.to(dtype).double() for t in _qkv((2, heads, rows, cols, dim), seed=3))
     truth = _values_and_grads(lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel), q, k, v, dy)
@@ -209,6 +218,51 @@ def test_half_precision_is_as_close_as_sdpa_in_the_same_dtype(device, dtype):
         assert a.dtype == dtype
         err, err_sdpa = ((x.double().cpu() - t).abs().max().item() for x in (a, s))
         assert err <= 1.5 * err_sdpa + 1e-4, f"{name}: {err:.2e} against SDPA's {err_sdpa:.2e}"
+
+
+class _Counted:
+    """Stands in for a kernel: ``kernel[grid](...)`` launches it and notes its name."""
+
+    def __init__(self, kernel, launched: list):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launched.append(self.kernel.__name__)
+            return self.kernel[grid](*args, **kw)
+
+        return launch
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_atomic_dq_is_one_backward_kernel_and_deterministic_algorithms_keep_two(device, monkeypatch):
+    # /atomic on the dK/dV tiles: no dQ kernel, the same gradients; under torch's deterministic
+    # algorithms (deterministic=true), whose results must not vary by run, the dQ kernel again
+    _set_fp32_tiles(monkeypatch, "4x8/8x4/4/2/atomic", device)
+    launched: list = []
+    for name in ("_fna_backward_dq", "_fna_backward_dkdv"):
+        monkeypatch.setattr(fused_natten, name, _Counted(getattr(fused_natten, name), launched))
+    rows, cols, heads, dim, kernel = 11, 14, 2, 48, 5
+    q, k, v, dy = _qkv((1, heads, rows, cols, dim), seed=6)
+    want = _values_and_grads(lambda q, k, v: dense_neighbourhood_attention(q, k, v, kernel), q, k, v, dy)
+
+    def fused(q, k, v):
+        return fused_natten.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=rows)
+
+    args = [t.float().to(device) for t in (q, k, v, dy)]
+    atomic = _values_and_grads(fused, *args)
+    assert launched == ["_fna_backward_dkdv"]
+    assert atomic[1].dtype == torch.float32 and atomic[1].stride() == atomic[2].stride()  # token-major
+    _close(atomic, want, atol=2e-5)
+    launched.clear()
+    torch.use_deterministic_algorithms(True)
+    try:
+        two = _values_and_grads(fused, *args)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert launched == ["_fna_backward_dq", "_fna_backward_dkdv"]
+    _close(two, want, atol=2e-5)
 
 
 @needs_kernels
@@ -336,12 +390,15 @@ def test_heads_split_into_products_triton_can_take(dim, split):
 
 def test_tiles_read_the_benchmarks_notation_and_name_what_is_wrong():
     assert fused_natten.Tiles.parse("8x16/8x8/8/3/pad") == fused_natten.Tiles(8, 16, 8, 8, 8, 3, split=False)
+    assert fused_natten.Tiles.parse("8x8/8x8/atomic/full") == fused_natten.Tiles(8, 8, 8, 8, full=True, atomic=True)
+    assert str(fused_natten.Tiles(8, 8, 8, 8, tma=True, atomic=True)) == "8x8/8x8/4/2/tma/atomic"
     assert str(fused_natten.Tiles.parse("8x16/8x8/8/3/pad/tma")) == "8x16/8x8/8/3/pad/tma"
     assert fused_natten.Tiles.parse("4x8/4x8") == fused_natten.Tiles(4, 8, 4, 8)
     assert fused_natten.Tiles.parse("4x8/4x8/tma") == fused_natten.Tiles(4, 8, 4, 8, tma=True)
     assert fused_natten.Tiles.parse("4x8/4x8/4/3/full/pad") == fused_natten.Tiles(4, 8, 4, 8, 4, 3, False, full=True)
     assert str(fused_natten.Tiles(8, 8, 8, 8, full=True)) == "8x8/8x8/4/2/full"
-    for bad in ("8x8", "8x8/8", "8x8/8x8/4/3/x", "8x8/8x8/four", "8x8/8x8/tma/4", "8x8/8x8/4/2/1", "8x8/8x8/full/full"):
+    bad_ones = ("8x8", "8x8/8", "8x8/8x8/4/3/x", "8x8/8x8/four", "8x8/8x8/tma/4", "8x8/8x8/4/2/1", "8x8/8x8/full/full")
+    for bad in (*bad_ones, "8x8/8x8/atomic/4"):
         with pytest.raises(ValueError, match=f"QHxQW/KHxKW.*got '{bad}'"):
             fused_natten.Tiles.parse(bad)
 
@@ -383,6 +440,16 @@ def test_the_benchmark_keeps_the_fastest_forward_and_backward_tiles_apart(tmp_pa
         "dkdv": fused_natten.Tiles(16, 8, 8, 8, 8, 2, tma=True),
     }
     assert bench.best_tiles({"flex": (1.0, 0, 0.1)}) is None
+    # a variant naming one kernel's tiles runs the others' defaults: here the fastest backward
+    atomic = bench.tile_variant("dkdv=8x8/8x8/atomic")
+    assert atomic == "dkdv=8x8/8x8/4/2/atomic"
+    assert bench.best_tiles({**results, f"fused:{atomic}": (4.5, 0, 2.0)}) == {
+        **best,
+        "dq": fused_natten.TILES["dq"],
+        "dkdv": fused_natten.Tiles(8, 8, 8, 8, atomic=True),
+    }
+    with pytest.raises(Exception, match="got 'bwd'"):
+        bench.tile_variant("bwd=8x8/8x8")
     path = tmp_path / "tiles"
     path.write_text(fused_natten.format_tile_set(best) + "\n")
     assert fused_natten.parse_tile_set(scaling._tile_set(f"@{path}")) == best
@@ -459,6 +526,25 @@ def test_the_kernels_with_64_bit_offsets_build_for_hopper(tiles, monkeypatch):
     for kernel, _, args, kw in calls:
         r = kernel_build.report(kernel, args, kw, 90)
         assert r["tensor_core"] == "wgmma", r
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
+@pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
+@pytest.mark.parametrize("wide", [False, True], ids=["32-bit", "64-bit"])
+def test_the_atomic_backward_builds_for_hopper_as_one_kernel(wide, monkeypatch):
+    # /atomic: the backward is the dK/dV kernel alone, adding dQ up by float32 reductions in
+    # global memory, still pipelined, on tensor cores, without spills (its dQ share is one more
+    # accumulator tile in registers)
+    from benchmarks import kernel_build
+
+    monkeypatch.setattr(fused_natten, "_wide", lambda *tensors: wide)
+    tiles = fused_natten.Tiles.parse("8x8/8x8/4/2/atomic")
+    calls = kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16, tiles)
+    assert [c[0].__name__ for c in calls] == ["_fna_forward", "_fna_backward_dkdv"]
+    kernel, _, args, kw = calls[1]
+    assert kw["ATOMIC"] and kw["WIDE"] == wide
+    r = kernel_build.report(kernel, args, kw, 90)
+    assert r["atomics"] > 0 and r["async_loads"] > 0 and r["spill_bytes"] == 0 and r["tensor_core"] == "wgmma", r
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs tiles of any size")
