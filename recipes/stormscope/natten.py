@@ -439,6 +439,10 @@ def _hopper(q: torch.Tensor) -> bool:
 
 
 # Kernel tiles for sparse blocks of 64 tokens: the Hopper table's backward, a 64-query forward.
+# BACKEND: flex_attention's kernel, never flex_decoding's. Inductor (torch 2.11-2.13) lowers a
+# forward of under 128 queries to flex_decoding, whose query tile is the next power of two of the
+# query count (65-127 queries: 128), which no 64-token block is a multiple of, so every candidate
+# is dropped ("NoValidChoicesError: No choices exist for backend"; the tiny DiT's 9 x 8 tokens).
 _TILES_OF_64 = {
     "fwd_BLOCK_M": 64,
     "fwd_BLOCK_N": 64,
@@ -446,6 +450,7 @@ _TILES_OF_64 = {
     "bwd_BLOCK_N1": 64,
     "bwd_BLOCK_M2": 64,
     "bwd_BLOCK_N2": 32,
+    "BACKEND": "TRITON",
 }
 
 

@@ -111,6 +111,29 @@ def test_blocks_of_64_get_tiles_and_kernel_tiles_that_divide_them():
         natten._check_block(q, 32)
 
 
+@pytest.mark.parametrize("head_dim", [16, 48])
+def test_flex_in_blocks_of_64_lowers_for_hopper_under_128_tokens(head_dim):
+    """Compiled flex on fewer than 128 tokens (the tiny DiT's 9 x 8) in 64-token blocks, lowered by
+    inductor for an H200 without one (benchmarks/flex_lowering.py): with natten's kernel options
+    every template keeps a candidate. Without ``BACKEND``, torch 2.11-2.13 take flex_decoding for
+    the forward, whose 128-query tile no 64-token block is a multiple of, and fail the compile
+    with ``NoValidChoicesError`` (as on the H200)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    cmd = [sys.executable, "benchmarks/flex_lowering.py", "--block", "64", "--tokens", "72"]
+    cmd += ["--head-dim", str(head_dim), "--natten", "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["error"] is None and result["options"]["BACKEND"] == "TRITON", result
+    choices = dict(result["choices"])
+    assert set(choices) == {"flex_attention", "flex_attention_backward"} and min(choices.values()) >= 1, result
+
+
 def test_the_auto_block_is_128_off_hopper_and_asks_no_fake_tensor_its_device(monkeypatch):
     """model.attn_block null: 128-token blocks on CPU and for fake tensors (a step traced on a
     machine without the GPU must not query one); 64 on Hopper (GPU-marked test below)."""
