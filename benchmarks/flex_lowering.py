@@ -4,8 +4,8 @@ Inductor picks flex's kernel templates (flex_attention, flex_decoding, the backw
 candidate tile configurations while it lowers the graph, before anything runs; a template left
 with no candidate fails the compile (``NoValidChoicesError: No choices exist for backend``). This
 script traces one flex forward and backward at the chosen size on CPU, then runs inductor's
-lowering of that graph for a CUDA device that reports itself as an H200 (sm90, its properties
-below): no kernel is built or run, so no GPU is needed. It prints each template inductor asked
+lowering of that graph for a CUDA device that reports itself as an H200 (``hopper_lowering.py``):
+no kernel is built or run, so no GPU is needed. It prints each template inductor asked
 to choose among and how many candidates it had, or the error that stopped the lowering.
 
     python benchmarks/flex_lowering.py --block 64 --tokens 72 --head-dim 16            # flex's defaults
@@ -19,23 +19,15 @@ Figures are this machine's torch's; the GPU's may differ where the versions do.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-import types
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-# What torch.cuda reports on an H200 (what inductor's template heuristics read)
-_H200 = dict(
-    major=9, minor=0, multi_processor_count=132, name="NVIDIA H200", total_memory=140 << 30,
-    shared_memory_per_block_optin=232448, warp_size=32, regs_per_multiprocessor=65536,
-    max_threads_per_multi_processor=2048, max_threads_per_block=1024, L2_cache_size=50 << 20, gcnArchName="",
-)  # fmt: skip
+from benchmarks import hopper_lowering  # noqa: E402
 
 
 def _graph(block: int, tokens: int, head_dim: int, options: dict | None, batch: int, heads: int):
@@ -73,40 +65,11 @@ def _graph(block: int, tokens: int, head_dim: int, options: dict | None, batch: 
     return graph, args
 
 
-@contextlib.contextmanager
-def _hopper_device():
-    """torch.cuda and inductor's device queries answer as one H200 would."""
-    from torch._inductor.runtime.hints import DeviceProperties
-
-    props = types.SimpleNamespace(**_H200)
-    hints = dict(
-        type="cuda", index=0, multi_processor_count=_H200["multi_processor_count"], cc=90, major=9,
-        regs_per_multiprocessor=_H200["regs_per_multiprocessor"],
-        max_threads_per_multi_processor=_H200["max_threads_per_multi_processor"],
-        max_threads_per_block=_H200["max_threads_per_block"], warp_size=_H200["warp_size"],
-    )  # fmt: skip
-    with contextlib.ExitStack() as stack:
-        for name, value in [
-            ("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)),
-            ("torch.cuda.get_device_properties", lambda *a, **k: props),
-            ("torch.cuda.is_available", lambda: True),
-            ("torch.cuda.device_count", lambda: 1),
-            ("torch.cuda.current_device", lambda: 0),
-            ("torch.utils._triton.triton_hash_with_backend", lambda: "hopper-without-a-gpu"),
-        ]:
-            stack.enter_context(mock.patch(name, value))
-        stack.enter_context(mock.patch.object(DeviceProperties, "create", classmethod(lambda cls, d: cls(**hints))))
-        yield
-
-
 def lower(block: int, tokens: int, head_dim: int, options: dict | None = None, batch: int = 2, heads: int = 4) -> dict:
     """Lower flex's forward + backward for an H200: ``{"choices": [[template, candidates], ...],
     "error": None or the first line of what stopped the lowering}``."""
     import torch._inductor.kernel.flex.flex_attention as flex_lowering
     import torch._inductor.kernel.flex.flex_decoding as decoding_lowering
-    from torch._inductor.graph import GraphLowering
-    from torch._inductor.virtualized import V
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     graph, cpu_args = _graph(block, tokens, head_dim, options, batch, heads)
     choices: list = []
@@ -116,21 +79,8 @@ def lower(block: int, tokens: int, head_dim: int, options: dict | None = None, b
         choices.append([name, len(candidates)])
         return select(name, candidates, *args, **kwargs)
 
-    error = None
-    with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as stack:
-        # (made before the device answers: a fake CUDA tensor on a CUDA build of torch would
-        # otherwise initialise the driver it believes in)
-        args = [torch.empty(a.shape, dtype=a.dtype, device="cuda") for a in cpu_args]
-        stack.enter_context(_hopper_device())
-        for module in (flex_lowering, decoding_lowering):
-            stack.enter_context(mock.patch.object(module, "autotune_select_algorithm", counted))
-        lowering = GraphLowering(graph, example_inputs=args)
-        with V.set_graph_handler(lowering):
-            try:
-                lowering.run(*args)
-            except Exception as e:  # noqa: BLE001 - what stopped inductor, reported
-                error = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
-    return {"choices": choices, "error": error}
+    patches = [mock.patch.object(m, "autotune_select_algorithm", counted) for m in (flex_lowering, decoding_lowering)]
+    return {"choices": choices, "error": hopper_lowering.lower(graph, cpu_args, patches=patches)["error"]}
 
 
 def natten_options(block: int, head_dim: int) -> dict | None:

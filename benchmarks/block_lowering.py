@@ -1,0 +1,129 @@
+"""A compiled DiT block's kernels for an H200, generated on any machine: what each one moves.
+
+The DiT trains with each block compiled (``trainer.compile=true``) under bf16 autocast. This
+script compiles one ``DiTBlock`` as the trainer would (dynamo, AOTAutograd with inductor's
+decompositions and its min-cut partitioner), traced with fake tensors at the chosen size, and
+has inductor lower and generate the forward's and the backward's code for an H200
+(``hopper_lowering.py``): no GPU is needed and nothing runs. It prints each Triton kernel with
+inductor's estimate of the bytes it reads and writes, and the calls outside them (cuBLAS's
+matrix products, the attention's custom ops). At the fused attention's size the pointwise and
+norm kernels are bandwidth-bound, so their traffic over the GPU's bandwidth (4.8 TB/s) is a
+floor on their time; the matrix products and the attention are not in these figures.
+
+    python benchmarks/block_lowering.py                                # the StormScope preset's block, batch 4
+    python benchmarks/block_lowering.py --batch 1 --grid 32 40 --top 5
+
+``--json``: one line of JSON (for tests). The default partitioner's choices, not a memory
+budget's (``trainer.memory_budget``); the attention is the fused kernels' custom op.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The fused attention's custom op is traced where its kernels could run: on CPU, that is under
+# Triton's interpreter, which must be chosen before Triton is imported (nothing is launched).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import hopper_lowering  # noqa: E402
+
+BANDWIDTH = 4.8e12  # H200, bytes/s
+
+
+def _graphs(batch: int, grid: tuple[int, int], hidden: int, heads: int, kernel: int, rope: bool) -> list:
+    """The block's forward and backward graphs (AOTAutograd's, as inductor receives them) with
+    their example inputs, traced with fake tensors under bf16 autocast."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from recipes.stormscope.dit import DiTBlock
+
+    graphs = []
+
+    def keep(graph, inputs):
+        graphs.append((graph, inputs))
+        return graph.forward
+
+    backend = aot_autograd(
+        fw_compiler=keep,
+        bw_compiler=keep,
+        decompositions=select_decomp_table(),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    torch._dynamo.reset()
+    with FakeTensorMode():
+        block = DiTBlock(hidden, heads, 4.0, kernel, rope=rope, impl="fused")
+        x = torch.randn(batch, *grid, hidden, requires_grad=True)
+        c = torch.randn(batch, hidden)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.compile(block, backend=backend, fullgraph=True)(x, c)
+        out.float().sum().backward()
+    torch._dynamo.reset()
+    return graphs
+
+
+def lower_block(batch=4, grid=(128, 160), hidden=768, heads=16, kernel=31, rope=False) -> dict:
+    """{"forward"/"backward": {"kernels": [[name, GB], ...], "calls": [...], "error": ...}}."""
+    out = {}
+    for name, (graph, inputs) in zip(("forward", "backward"), _graphs(batch, grid, hidden, heads, kernel, rope)):
+        result = hopper_lowering.lower(graph, inputs, codegen=True)
+        code = result["code"] or ""
+        out[name] = {
+            "kernels": [list(k) for k in hopper_lowering.kernels(code)],
+            "calls": hopper_lowering.extern_calls(code),
+            "error": result["error"],
+        }
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--grid", type=int, nargs=2, default=[128, 160], metavar=("ROWS", "COLS"), help="token grid")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kernel", type=int, default=31)
+    p.add_argument("--depth", type=int, default=16, help="blocks per model, for the per-step figure")
+    p.add_argument("--rope", action="store_true")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per graph, the largest first")
+    p.add_argument("--json", action="store_true", help="print one line of JSON")
+    a = p.parse_args(argv)
+    result = lower_block(a.batch, tuple(a.grid), a.hidden, a.heads, a.kernel, a.rope)
+    if a.json:
+        print(json.dumps(result))
+        return
+    print(
+        f"torch {torch.__version__}, a DiT block for an H200 without one: batch {a.batch}, {a.grid[0]}x{a.grid[1]} "
+        f"tokens, hidden {a.hidden}, {a.heads} heads, kernel {a.kernel}, bf16 autocast"
+    )
+    total = 0.0
+    for name, r in result.items():
+        if r["error"]:
+            print(f"{name}: failed: {r['error']}")
+            continue
+        gb = sum(g for _, g in r["kernels"])
+        total += gb
+        print(
+            f"{name}: {len(r['kernels'])} Triton kernels, {gb:.3f} GB ({gb * 1e9 / BANDWIDTH * 1e3:.2f} ms at "
+            f"{BANDWIDTH / 1e12:.1f} TB/s); calls: {', '.join(r['calls'])}"
+        )
+        for kernel, g in sorted(r["kernels"], key=lambda k: -k[1])[: a.top]:
+            print(f"  {g:8.3f} GB  {kernel}")
+    print(
+        f"per step ({a.depth} blocks): {total * a.depth:.1f} GB in Triton kernels, at least "
+        f"{total * a.depth * 1e9 / BANDWIDTH * 1e3:.1f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
