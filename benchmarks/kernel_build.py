@@ -59,17 +59,11 @@ def recorded_launches():
     saved = {name: getattr(fused_natten, name) for name in KERNELS}
     for name, kernel in saved.items():
         setattr(fused_natten, name, _Recorder(kernel, calls))
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # (the launch code's own checks only)
     try:
         yield calls
     finally:
         for name, kernel in saved.items():
             setattr(fused_natten, name, kernel)
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
 
 
 def source(kernel, args, kw):
@@ -136,7 +130,8 @@ def report(kernel, args, kw, arch: int) -> dict:
         "registers": int(regs.group(1)) if regs else None,
         "spill_bytes": int(spills.group(1)) if spills else None,
         "shared_bytes": compiled.metadata.shared,
-        "atomics": len(re.findall(r"\b(?:red|atom)\.global", compiled.asm["ptx"])),  # /atomic's dQ adds
+        "atomics": len(re.findall(r"\b(?:red|atom)\.global", compiled.asm["ptx"])),  # /atomic's dQ adds, by threads
+        "bulk_reductions": compiled.asm["ptx"].count("cp.reduce.async.bulk"),  # ... by the copy engine (/tma)
         "async_loads": ttgir.count("async_copy_global_to_local"),  # cp.async, pipelined
         "tma_loads": ttgir.count("async_tma_copy_global_to_local"),  # the copy engine's, pipelined
         # Hopper's warp-group MMA, the older per-warp MMA, or none (float32 "ieee" products run on FMAs)
@@ -270,6 +265,7 @@ def main(argv=None) -> None:
                 f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, {r['async_loads']} async + {r['tma_loads']} TMA loads, "
                 f"{r['tensor_core']}, {r.get('num_warps')} warps, {r.get('num_stages')} stages, "
                 + (f"{r['atomics']} atomic adds (dQ), " if r["atomics"] else "")
+                + (f"{r['bulk_reductions']} bulk reductions (dQ), " if r["bulk_reductions"] else "")
                 + f"{mean:.1f} instructions/score{paths}"
             )
 

@@ -13,10 +13,11 @@ of the union of its queries' windows, so no block order or block mask exists: a 
 when its key lies in its query's clamped window (four comparisons). Heads of 48 are two products,
 32 and 16 wide, instead of one padded to 64. Backward is FlashAttention-2's: one kernel per key
 tile for dK and dV (over the query tiles whose windows reach it) and one per query tile for dQ,
-from the forward's log-sum-exp. Opt-in (``/atomic`` on its tiles), the dK/dV kernel adds
-each query tile's share of dQ to a float32 buffer by atomic adds instead, so the scores and their
-gradients are computed once, not twice (FlashAttention-3's way); the order of those additions
-varies between runs, so torch's deterministic algorithms (``deterministic=true``) keep two kernels.
+from the forward's log-sum-exp. Opt-in (``/atomic`` on its tiles), the dK/dV kernel adds each
+query tile's share of dQ to a float32 buffer by atomic adds instead (with ``/tma``, the copy
+engine's bulk reductions), so the scores and their gradients are computed once, not twice
+(FlashAttention-3's way); the order of those additions varies between runs, so torch's
+deterministic algorithms (``deterministic=true``) keep two kernels.
 
 Same semantics as ``natten``: NATTEN's clamped windows, bands of rows with global offsets for
 domain parallelism (the queries' windows must lie in the key band, which ``natten`` checks).
@@ -469,17 +470,19 @@ if triton is not None:
 
     @triton.jit
     def _fna_backward_dkdv(
-        q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
+        q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_src, dq_src1,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c, sdq_b, sdq_h, sdq_r, sdq_c,
         hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
-        FULL: tl.constexpr, ATOMIC: tl.constexpr,
+        FULL: tl.constexpr, ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
     ):  # fmt: skip
         """dK and dV of one key tile (local rows of the band), over the band's query tiles whose
         windows reach it; scores computed transposed, (keys, queries). dK and dV share strides.
-        With ATOMIC, each query tile's share of dQ is also added to ``dq_ptr`` (float32, zeroed)."""
+        With ATOMIC, each query tile's share of dQ is also added to dQ (float32, zeroed): by the
+        copy engine's bulk reductions through ``dq_src``/``dq_src1`` (descriptors) with DQ_TMA,
+        else by each thread's atomic adds through the pointer ``dq_src``."""
         b, h = tl.program_id(2), tl.program_id(1)
         tiles_w = tl.cdiv(w, KW)
         r0, c0 = (tl.program_id(0) // tiles_w) * KH, (tl.program_id(0) % tiles_w) * KW
@@ -547,8 +550,13 @@ if triton is not None:
                     dq1 = tl.dot(ds_t, k1, input_precision=PRECISION) * sm_scale
                 else:
                     dq1 = dq0
-                dq_base = dq_ptr + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h
-                _accumulate(dq_base, _offsets(rows, cols, sdq_r, sdq_c, WIDE), q_in, dq0, dq1, D, D0, D1)
+                if DQ_TMA:  # (rows past the band are dropped by the copy engine; the rest add 0)
+                    dq_src.atomic_add([b, h, r, c, 0], dq0.reshape([1, 1, QH, QW, D0]))
+                    if D1 > 0:
+                        dq_src1.atomic_add([b, h, r, c, D0], dq1.reshape([1, 1, QH, QW, D1]))
+                else:
+                    dq_base = dq_src + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h
+                    _accumulate(dq_base, _offsets(rows, cols, sdq_r, sdq_c, WIDE), q_in, dq0, dq1, D, D0, D1)
         offs = _offsets(k_rows, k_c, sg_r, sg_c, WIDE)
         bh_g = b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
         _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1)
@@ -726,10 +734,14 @@ def natten_backward(
     grid = (triton.cdiv(g.hk, tiles.kh) * triton.cdiv(g.w, tiles.kw), g.heads, b)
     tma = _use_tma(tiles, q, grad)
     q_sources, grad_sources = (_sources(t, tiles.qh, tiles.qw, tiles, tma) for t in (q, grad))
+    # dQ's shares through the copy engine's bulk reductions where the loads go through it too (the
+    # interpreter has no descriptor reductions: its threads add)
+    dq_tma = atomic and tma and not _interpreted() and _tma_aligned(dq)
     with _device_of(q):
         _fna_backward_dkdv[grid](
-            *q_sources, k, v, *grad_sources, lse, delta, dk, dv, dq, *common, *_strides(dk), *_strides(dq),
-            scalars[0], g.hk, *scalars[1:], WIDE=wide, TMA=tma, ATOMIC=atomic, **_constants(q, tiles),
+            *q_sources, k, v, *grad_sources, lse, delta, dk, dv, *_sources(dq, tiles.qh, tiles.qw, tiles, dq_tma),
+            *common, *_strides(dk), *_strides(dq), scalars[0], g.hk, *scalars[1:],
+            WIDE=wide, TMA=tma, ATOMIC=atomic, DQ_TMA=dq_tma, **_constants(q, tiles),
         )  # fmt: skip
     return dq.to(q.dtype), dk, dv  # (.to keeps the token-major strides; a no-op unless atomic)
 

@@ -138,7 +138,7 @@ def test_bands_with_halos_equal_the_rows_of_the_whole_grid(device):
     "seed, tiles",
     [
         *((s, None) for s in range(6)), (7, "4x4/2x4/4/2/full"), (9, "4x4/4x4/4/2/full"),
-        (11, "4x4/4x4/4/2/full/atomic"), (12, "4x8/4x4/4/2/atomic"),
+        (11, "4x4/4x4/4/2/full/atomic"), (12, "4x8/4x4/4/2/atomic"), (13, "4x8/8x4/4/2/pad/tma/atomic"),
     ],
 )  # fmt: skip
 def test_random_bands_of_random_grids_equal_dense_attention(device, seed, tiles, monkeypatch):
@@ -146,7 +146,7 @@ def test_random_bands_of_random_grids_equal_dense_attention(device, seed, tiles,
     # take the 64-bit offsets a sample of 2**31 elements would; the /full ones skip the window test
     # on tiles inside every window (small tiles, so that there are such tiles, on a band whose key
     # tiles' corner may move back no further than its first key row); the /atomic ones add dQ up in
-    # the dK/dV kernel, at the band's query offsets
+    # the dK/dV kernel, at the band's query offsets (with /tma on a GPU, by bulk reductions)
     if tiles:
         _set_fp32_tiles(monkeypatch, tiles, device)
     g = torch.Generator().manual_seed(seed)
@@ -530,21 +530,25 @@ def test_the_kernels_with_64_bit_offsets_build_for_hopper(tiles, monkeypatch):
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
 @pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
-@pytest.mark.parametrize("wide", [False, True], ids=["32-bit", "64-bit"])
-def test_the_atomic_backward_builds_for_hopper_as_one_kernel(wide, monkeypatch):
+@pytest.mark.parametrize(
+    "wide, tiles", [(False, "8x8/8x8/4/2/atomic"), (True, "8x8/8x8/4/2/atomic"), (False, "8x8/8x8/4/2/pad/tma/atomic")]
+)
+def test_the_atomic_backward_builds_for_hopper_as_one_kernel(wide, tiles, monkeypatch):
     # /atomic: the backward is the dK/dV kernel alone, adding dQ up by float32 reductions in
-    # global memory, still pipelined, on tensor cores, without spills (its dQ share is one more
-    # accumulator tile in registers)
+    # global memory (each thread's, or with /tma the copy engine's bulk reductions of the tile),
+    # still pipelined, on tensor cores, without spills (its dQ share is one more accumulator tile)
     from benchmarks import kernel_build
 
     monkeypatch.setattr(fused_natten, "_wide", lambda *tensors: wide)
-    tiles = fused_natten.Tiles.parse("8x8/8x8/4/2/atomic")
+    tiles = fused_natten.Tiles.parse(tiles)
     calls = kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16, tiles)
     assert [c[0].__name__ for c in calls] == ["_fna_forward", "_fna_backward_dkdv"]
     kernel, _, args, kw = calls[1]
-    assert kw["ATOMIC"] and kw["WIDE"] == wide
+    assert kw["ATOMIC"] and kw["WIDE"] == wide and kw["DQ_TMA"] == tiles.tma
     r = kernel_build.report(kernel, args, kw, 90)
-    assert r["atomics"] > 0 and r["async_loads"] > 0 and r["spill_bytes"] == 0 and r["tensor_core"] == "wgmma", r
+    assert r["spill_bytes"] == 0 and r["tensor_core"] == "wgmma", r
+    assert (r["bulk_reductions"] > 0 and r["atomics"] == 0) if tiles.tma else (r["atomics"] > 0), r
+    assert (r["tma_loads"] if tiles.tma else r["async_loads"]) > 0, r
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs tiles of any size")
