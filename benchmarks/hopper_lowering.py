@@ -59,7 +59,8 @@ def hopper_device():
 def lower(graph: torch.fx.GraphModule, cpu_args: list, codegen: bool = False, patches=()) -> dict:
     """Lower ``graph`` (traced on CPU; ``cpu_args`` its example inputs) for an H200: ``{"error":
     None or the first line of what stopped it, "code": the generated module's source (with
-    ``codegen``) or None}``. ``patches``: more context managers to hold while it lowers."""
+    ``codegen``) or None}``. ``patches``: more context managers to hold while it lowers. The
+    tensors ``graph`` makes itself are moved to the GPU in place."""
     from torch._inductor import config
     from torch._inductor.debug import DebugContext
     from torch._inductor.graph import GraphLowering
