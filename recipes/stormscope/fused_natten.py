@@ -513,6 +513,8 @@ if triton is not None:
             lo_r = _aligned_origin(lo_r, a_r, hi_r, 0, QH)
             lo_c = _aligned_origin(lo_c, a_c, hi_c, 0, QW)
         query_tiles, tiles_c = _tile_count(lo_r, hi_r, lo_c, hi_c, QH, QW)
+        if ATOMIC and not DQ_TMA:  # the threads' adds: this sample's and head's dQ pointer
+            dq_src = dq_src + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h
         for t in range(0, query_tiles):
             r, c = _tile_at(t, lo_r, lo_c, tiles_c, QH, QW)
             rows, cols = r + m // QW, c + m % QW
@@ -555,8 +557,7 @@ if triton is not None:
                     if D1 > 0:
                         dq_src1.atomic_add([b, h, r, c, D0], dq1.reshape([1, 1, QH, QW, D1]))
                 else:
-                    dq_base = dq_src + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h
-                    _accumulate(dq_base, _offsets(rows, cols, sdq_r, sdq_c, WIDE), q_in, dq0, dq1, D, D0, D1)
+                    _accumulate(dq_src, _offsets(rows, cols, sdq_r, sdq_c, WIDE), q_in, dq0, dq1, D, D0, D1)
         offs = _offsets(k_rows, k_c, sg_r, sg_c, WIDE)
         bh_g = b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
         _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1)
