@@ -41,49 +41,22 @@ BANDWIDTH = 4.8e12  # H200, bytes/s
 def _graphs(batch: int, grid: tuple[int, int], hidden: int, heads: int, kernel: int, rope: bool) -> list:
     """The block's forward and backward graphs (AOTAutograd's, as inductor receives them) with
     their example inputs, traced with fake tensors under bf16 autocast."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from recipes.stormscope.dit import DiTBlock
 
-    graphs = []
-
-    def keep(graph, inputs):
-        graphs.append((graph, inputs))
-        return graph.forward
-
-    backend = aot_autograd(
-        fw_compiler=keep,
-        bw_compiler=keep,
-        decompositions=select_decomp_table(),
-        partition_fn=min_cut_rematerialization_partition,
-    )
-    torch._dynamo.reset()
     with FakeTensorMode():
         block = DiTBlock(hidden, heads, 4.0, kernel, rope=rope, impl="fused")
         x = torch.randn(batch, *grid, hidden, requires_grad=True)
         c = torch.randn(batch, hidden)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = torch.compile(block, backend=backend, fullgraph=True)(x, c)
-        out.float().sum().backward()
-    torch._dynamo.reset()
-    return graphs
+            return hopper_lowering.trace_graphs(block, x, c)
 
 
 def lower_block(batch=4, grid=(128, 160), hidden=768, heads=16, kernel=31, rope=False) -> dict:
     """{"forward"/"backward": {"kernels": [[name, GB], ...], "calls": [...], "error": ...}}."""
-    out = {}
-    for name, (graph, inputs) in zip(("forward", "backward"), _graphs(batch, grid, hidden, heads, kernel, rope)):
-        result = hopper_lowering.lower(graph, inputs, codegen=True)
-        code = result["code"] or ""
-        out[name] = {
-            "kernels": [list(k) for k in hopper_lowering.kernels(code)],
-            "calls": hopper_lowering.extern_calls(code),
-            "error": result["error"],
-        }
-    return out
+    graphs = _graphs(batch, grid, hidden, heads, kernel, rope)
+    return {name: hopper_lowering.lower_kernels(*g) for name, g in zip(("forward", "backward"), graphs)}
 
 
 def main(argv=None) -> None:

@@ -27,6 +27,20 @@ _H200 = dict(
 )  # fmt: skip
 
 
+def _cudnn_memory_format(input, weight, backend):
+    """The layout cuDNN gives a convolution's outputs (and its gradients): channels-last where the
+    input or the weight is (``cudnn_conv_suggest_memory_format``). A CPU build of torch picks no
+    cuDNN backend for a fake CUDA tensor, and its fallback's answer (contiguous) would have
+    inductor transpose every convolution's output."""
+    if input.dim() == 4 and torch.channels_last in (_suggested(input), _suggested(weight)):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _suggested(t: torch.Tensor):
+    return torch.channels_last if t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous() else None
+
+
 @contextlib.contextmanager
 def hopper_device():
     """torch.cuda and inductor's device queries answer as one H200 would, and Triton counts as
@@ -50,6 +64,10 @@ def hopper_device():
             ("torch.utils._triton.triton_hash_with_backend", lambda: "hopper-without-a-gpu"),
             ("torch.utils._triton.has_triton", lambda: True),
             ("torch._inductor.scheduler.has_triton", lambda: True),
+            # with a warm pool of compile workers (a CPU graph's, earlier) code generation would
+            # hand each kernel to them as it goes, loading the kernel's module for a GPU here
+            ("torch._inductor.async_compile.AsyncCompile.use_process_pool", classmethod(lambda cls: False)),
+            ("torch._C._conv_determine_backend_memory_format", _cudnn_memory_format),
         ]:
             stack.enter_context(mock.patch(name, value))
         stack.enter_context(mock.patch.object(DeviceProperties, "create", classmethod(lambda cls, d: cls(**hints))))
@@ -98,6 +116,55 @@ def lower(graph: torch.fx.GraphModule, cpu_args: list, codegen: bool = False, pa
     if code is not None and not isinstance(code, str):
         code = getattr(code, "value", str(code))
     return {"error": error, "code": code}
+
+
+def trace_graphs(fn, *args, **kwargs) -> list:
+    """``fn(*args, **kwargs)`` compiled (dynamo, full graph) and run forward and backward on the
+    fake tensors it is given, as inductor would receive it: AOTAutograd with inductor's
+    decompositions, joint-graph passes (``config.joint_custom_pre_pass`` included) and min-cut
+    partition. Returns ``[(forward graph, its inputs), (backward graph, its inputs)]``; inductor
+    compiles nothing. Call under the autocast (and inductor config) the training step runs in."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def keep(graph, inputs):
+        graphs.append((graph, inputs))
+        return make_boxed_func(graph.forward)
+
+    # inductor's own partition function (its joint-graph passes, then the min-cut partitioner)
+    # where this torch has one at module level (2.13 on); before, the partitioner alone
+    inductors = getattr(compile_fx, "partition_fn", min_cut_rematerialization_partition)
+
+    def partition(graph, joint_inputs, **kwargs):
+        from torch._guards import detect_fake_mode
+        from torch._inductor.virtualized import V
+
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):  # as inductor's compile sets it (random ops' passes)
+            return inductors(graph, joint_inputs, **kwargs)
+
+    backend = aot_autograd(
+        fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(), partition_fn=partition
+    )
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
+        out.float().sum().backward()
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+def lower_kernels(graph: torch.fx.GraphModule, inputs: list, patches=()) -> dict:
+    """``lower`` with code generation, read back: ``{"kernels": [[name, GB], ...], "calls": the
+    calls outside Triton kernels, "error": ...}``."""
+    result = lower(graph, inputs, codegen=True, patches=patches)
+    code = result["code"] or ""
+    return {"kernels": [list(k) for k in kernels(code)], "calls": extern_calls(code), "error": result["error"]}
 
 
 def kernels(code: str) -> list[tuple[str, float]]:

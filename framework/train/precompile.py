@@ -89,6 +89,13 @@ def structure_key(module: nn.Module) -> tuple:
     return tuple(out)
 
 
+def signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What a compiled unit's graph depends on: its structure, and its inputs' shapes and dtypes
+    (two units of one signature share a graph)."""
+    inputs = tuple(_meta(a) for a in args), tuple(sorted((k, _meta(v)) for k, v in kwargs.items()))
+    return (structure_key(module), *inputs)
+
+
 def discover(units: list[tuple[str, nn.Module]], forward: Callable[[Any], Any]) -> list[Job]:
     """The distinct (structure, inputs) pairs the units meet in ``forward(fake_mode)``, which runs
     the training forward on fake tensors made in that mode."""
@@ -97,8 +104,7 @@ def discover(units: list[tuple[str, nn.Module]], forward: Callable[[Any], Any]) 
     seen: dict[tuple, nn.Module] = {}
 
     def record(module, args, kwargs):
-        inputs = tuple(_meta(a) for a in args), tuple(sorted((k, _meta(v)) for k, v in kwargs.items()))
-        seen.setdefault((structure_key(module), *inputs), module)
+        seen.setdefault(signature(module, args, kwargs), module)
 
     handles = [unit.register_forward_pre_hook(record, with_kwargs=True) for _, unit in units]
     try:

@@ -143,7 +143,11 @@ class Conv2d(nn.Module):
         """Called by the framework's compile before it compiles (see ``compile_contiguous_inputs``)."""
         self._channels_last_input = channels_last and self.compile_contiguous_inputs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scale: float = 1.0, add_bias: bool = True) -> torch.Tensor:
+        """The convolution of ``x``, times ``scale`` (folded into the weight and bias: a scalar
+        the output would be multiplied by, taken in the parameters' small cast instead of a pass
+        over the output and one over its gradient); ``add_bias=False`` leaves the bias to the
+        caller (the next layer's per-channel shift, say)."""
         if self._channels_last_input and torch.compiler.is_compiling():
             x = x.contiguous(memory_format=torch.channels_last)
         f = self.resample_filter
@@ -170,10 +174,16 @@ class Conv2d(nn.Module):
                 # autograd copies it into the parameter's layout (113 launches, 1.5 ms of the
                 # regression step); made dense here, the copy fuses into the gradient's cast
                 w = _DenseGrad.apply(w)
-            x = _conv2d(x, w.to(x.dtype))
-        if self.bias is not None:
-            x = x + self.bias.to(x.dtype).reshape(1, -1, 1, 1)
+            x = _conv2d(x, (w * scale if scale != 1 else w).to(x.dtype))
+        elif scale != 1:
+            x = x * scale
+        if self.bias is not None and add_bias:
+            x = x + self.bias_as(x.dtype, scale).reshape(1, -1, 1, 1)
         return x.contiguous() if self.contiguous_output else x
+
+    def bias_as(self, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        """The bias, times ``scale``, in ``dtype`` (what ``forward`` adds)."""
+        return (self.bias * scale if scale != 1 else self.bias).to(dtype)
 
 
 class GroupNorm(nn.Module):
@@ -538,22 +548,28 @@ class UNetBlock(nn.Module):
         if skip is not None:  # a decoder skip connection: concatenated here, inside the block, so
             x = torch.cat([x, skip], dim=1)  # that a compiled block fuses the copy into its first ops
         orig = x
-        x = self.conv0(self.norm0(x, silu=True))
-        if self.affine is not None:
-            if emb is None:
-                raise ValueError("UNetBlock was built with an embedding affine but got emb=None")
-            params = self.affine(emb).to(x.dtype)
-            if self.adaptive_scale:
-                scale, shift = params[:, :, None, None].chunk(2, dim=1)
-                x = F.silu(torch.addcmul(shift, self.norm1(x), scale + 1))
-                if self.dropout:  # (at 0 a compiled graph would still copy x and keep the copy for conv1)
-                    x = F.dropout(x, p=self.dropout, training=self.training)
-            else:
-                x = self.norm1(x, shift=params, silu=True, dropout=self.dropout)
+        if self.affine is not None and emb is None:
+            raise ValueError("UNetBlock was built with an embedding affine but got emb=None")
+        if self.adaptive_scale:
+            x = self.conv0(self.norm0(x, silu=True))
+            scale, shift = self.affine(emb).to(x.dtype)[:, :, None, None].chunk(2, dim=1)
+            x = F.silu(torch.addcmul(shift, self.norm1(x), scale + 1))
+            if self.dropout:  # (at 0 a compiled graph would still copy x and keep the copy for conv1)
+                x = F.dropout(x, p=self.dropout, training=self.training)
         else:
-            x = self.norm1(x, silu=True, dropout=self.dropout)
-        x = self.conv1(x)
-        x = (x + (self.skip(orig) if self.skip is not None else orig)) * self.skip_scale
+            # conv0's bias joins the embedding's shift, which norm1 adds before normalising: no
+            # pass of its own over conv0's output (a compiled graph cannot fuse it into the norm's
+            # kernels, nor eager into the convolution)
+            x = self.conv0(self.norm0(x, silu=True), add_bias=False)
+            shift = None if self.conv0.bias is None else self.conv0.bias_as(x.dtype).expand(x.shape[0], -1)
+            if self.affine is not None:
+                params = self.affine(emb).to(x.dtype)
+                shift = params if shift is None else params + shift
+            x = self.norm1(x, shift=shift, silu=True, dropout=self.dropout)
+        # skip_scale multiplies the convolutions' weights and biases (see Conv2d.forward), not
+        # their sum and its gradient
+        s = self.skip_scale
+        x = self.conv1(x, scale=s) + (self.skip(orig, scale=s) if self.skip is not None else orig * s)
         if self.attn is not None:
             x = (x + self.attn(x)) * self.skip_scale
         return x

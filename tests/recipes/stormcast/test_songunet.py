@@ -117,6 +117,86 @@ def test_gradients_reach_every_parameter(embedding_type):
             assert p.grad.abs().max() > 0, name
 
 
+def _edm_block(m: UNetBlock, x, emb, skip):
+    """EDM's (and PhysicsNeMo's) UNetBlock written out: each convolution with its bias, the
+    embedding's shift added to conv0's output, the sum of the two paths times ``skip_scale``."""
+    import torch.nn.functional as F
+
+    def norm(n, t):
+        return F.group_norm(t, n.num_groups, n.weight, n.bias, n.eps)
+
+    x = x if skip is None else torch.cat([x, skip], dim=1)
+    orig = x
+    x = m.conv0(F.silu(norm(m.norm0, x)))
+    if m.affine is not None:
+        params = m.affine(emb)[:, :, None, None]
+        if m.adaptive_scale:
+            scale, shift = params.chunk(2, dim=1)
+            x = F.silu(shift + norm(m.norm1, x) * (scale + 1))
+        else:
+            x = F.silu(norm(m.norm1, x + params))
+    else:
+        x = F.silu(norm(m.norm1, x))
+    x = m.conv1(x)
+    return (x + (m.skip(orig) if m.skip is not None else orig)) * m.skip_scale
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(in_channels=16, out_channels=16, emb_channels=8),  # identity skip
+        dict(in_channels=16, out_channels=32, emb_channels=8),  # a 1x1 skip convolution
+        dict(in_channels=16, out_channels=16, emb_channels=8, down=True),
+        dict(in_channels=16, out_channels=16, emb_channels=8, up=True),
+        dict(in_channels=16, out_channels=16, emb_channels=8, adaptive_scale=True),
+        dict(in_channels=16, out_channels=16, emb_channels=0),  # no embedding
+        dict(in_channels=32, out_channels=16, emb_channels=8, skip=16),  # a decoder's concatenation
+    ],
+    ids=["identity", "skip-conv", "down", "up", "adaptive", "no-emb", "concat"],
+)
+def test_block_computes_edms_formula(kw):
+    """The block folds conv0's bias into norm1's shift and ``skip_scale`` into the convolutions'
+    weights (fewer passes over activations): the same function as the reference's, in float64."""
+    kw = dict(kw)
+    skip_channels = kw.pop("skip", 0)
+    torch.manual_seed(0)
+    m = UNetBlock(**kw).double()
+    for p in m.parameters():  # (biases start at zero, conv1 near zero: both made to matter)
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, kw["in_channels"] - skip_channels, 8, 12, dtype=torch.float64)
+    skip = torch.randn(2, skip_channels, 8, 12, dtype=torch.float64) if skip_channels else None
+    emb = torch.randn(2, kw["emb_channels"], dtype=torch.float64) if kw["emb_channels"] else None
+    torch.testing.assert_close(m(x, emb, skip), _edm_block(m, x, emb, skip), rtol=1e-12, atol=1e-12)
+
+
+def test_a_compiled_block_for_an_h200_makes_no_pass_for_conv0s_bias_or_the_skip_scale():
+    """The regression net's blocks compiled as the trainer compiles them on a GPU, with inductor's
+    code generated for an H200 on this machine (benchmarks/unet_lowering.py): outside the fused
+    norms and the convolutions, a block's Triton kernels move about three activations forward (the
+    residual sum) and one backward (a bias gradient); adding conv0's bias by itself, and
+    multiplying the sum and its gradient by skip_scale, moved two more each way. A decoder block
+    adds its concatenation (four)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    cmd = [sys.executable, "benchmarks/unet_lowering.py", "--batch", "1", "--grid", "256", "320", "--json"]
+    cmd += ["--units", "enc.256_block0", "dec.256_block1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    units = {u["name"]: u for u in json.loads(proc.stdout.splitlines()[-1])["units"]}
+    activation = 1 * 128 * 256 * 320 * 2 / 1e9  # GB: one bf16 activation of level 0
+    moved = {}
+    for name, unit in units.items():
+        for part in ("forward", "backward"):
+            assert unit[part]["error"] is None, unit[part]
+            moved[name, part] = sum(gb for _, gb in unit[part]["kernels"]) / activation
+    assert moved["enc.256_block0", "forward"] < 3.5 and moved["enc.256_block0", "backward"] < 1.5, moved
+    assert moved["dec.256_block1", "forward"] < 7.5 and moved["dec.256_block1", "backward"] < 1.5, moved
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_checkpointing_matches_plain(level, monkeypatch):
     torch.manual_seed(0)
