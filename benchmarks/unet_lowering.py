@@ -159,7 +159,7 @@ def _report(result: dict, a: argparse.Namespace) -> None:
             gb[part] = sum(g for _, g in r["kernels"])
             totals[part] += gb[part] * u["count"]
             for kernel, g in r["kernels"]:
-                largest[f"{part[:3]} {kernel}"] += g * u["count"]
+                largest[f"{u['name']} {part[:3]} {kernel}"] += g * u["count"]
         ms = (gb["forward"] + gb["backward"]) * u["count"] * 1e9 / BANDWIDTH * 1e3
         shape = "x".join(map(str, u["shapes"][0]))
         print(f"{u['name']:34} {shape:26} {u['count']:>3} {gb['forward']:7.3f} {gb['backward']:7.3f} {ms:8.2f}")
