@@ -264,31 +264,25 @@ if triton is not None:
         return k_r, k_c, k0, k1, v0, v1
 
     @triton.jit
-    def _store(base, offs, valid, x0, x1, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
-        """A (tokens, head_dim) tile from its two column blocks (``x1`` unused when D1 == 0)."""
+    def _store(base, offs, valid, x0, x1, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, ADD: tl.constexpr):
+        """A (tokens, head_dim) tile from its two column blocks (``x1`` unused when D1 == 0);
+        ADD: added where it lies by float32 atomic adds instead (relaxed order: only the sum is
+        read, after the kernel)."""
         offs = offs[:, None]
         d0 = tl.arange(0, D0)
-        ptr = base + offs + d0[None, :]
+        mask0 = valid[:, None]
         if D0 > D:
-            tl.store(ptr, x0.to(base.dtype.element_ty), mask=valid[:, None] & (d0[None, :] < D))
-        else:
-            tl.store(ptr, x0.to(base.dtype.element_ty), mask=valid[:, None])
+            mask0 = mask0 & (d0[None, :] < D)
+        _put(base + offs + d0[None, :], x0, mask0, ADD)
         if D1 > 0:
-            tl.store(base + offs + D0 + tl.arange(0, D1)[None, :], x1.to(base.dtype.element_ty), mask=valid[:, None])
+            _put(base + offs + D0 + tl.arange(0, D1)[None, :], x1, valid[:, None], ADD)
 
     @triton.jit
-    def _accumulate(base, offs, valid, x0, x1, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
-        """``_store``'s atomic add: a float32 (tokens, head_dim) tile added where it lies (relaxed
-        order: only the sum is read, after the kernel)."""
-        offs = offs[:, None]
-        d0 = tl.arange(0, D0)
-        if D0 > D:
-            tl.atomic_add(base + offs + d0[None, :], x0, mask=valid[:, None] & (d0[None, :] < D), sem="relaxed")
+    def _put(ptr, x, mask, ADD: tl.constexpr):
+        if ADD:
+            tl.atomic_add(ptr, x, mask=mask, sem="relaxed")
         else:
-            tl.atomic_add(base + offs + d0[None, :], x0, mask=valid[:, None], sem="relaxed")
-        if D1 > 0:
-            d1 = D0 + tl.arange(0, D1)
-            tl.atomic_add(base + offs + d1[None, :], x1, mask=valid[:, None], sem="relaxed")
+            tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _products(a0, a1, b0, b1, D1: tl.constexpr, PRECISION: tl.constexpr):
@@ -419,7 +413,7 @@ if triton is not None:
         o_base = o_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h
         inv = 1.0 / l_i
         o_offs = _offsets(rows, cols, so_r, so_c, WIDE)
-        _store(o_base, o_offs, valid, acc0 * inv[:, None], acc1 * inv[:, None], D, D0, D1)
+        _store(o_base, o_offs, valid, acc0 * inv[:, None], acc1 * inv[:, None], D, D0, D1, False)
         l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
         tl.store(lse_ptr + l_offs, m_i + tl.log2(l_i), mask=valid)
 
@@ -466,7 +460,7 @@ if triton is not None:
                 dq1 += tl.dot(ds, k1, input_precision=PRECISION)
         dq_base = dq_ptr + b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
         offs = _offsets(rows, cols, sg_r, sg_c, WIDE)
-        _store(dq_base, offs, valid, dq0 * sm_scale, dq1 * sm_scale, D, D0, D1)
+        _store(dq_base, offs, valid, dq0 * sm_scale, dq1 * sm_scale, D, D0, D1, False)
 
     @triton.jit
     def _fna_backward_dkdv(
@@ -557,11 +551,11 @@ if triton is not None:
                     if D1 > 0:
                         dq_src1.atomic_add([b, h, r, c, D0], dq1.reshape([1, 1, QH, QW, D1]))
                 else:
-                    _accumulate(dq_src, _offsets(rows, cols, sdq_r, sdq_c, WIDE), q_in, dq0, dq1, D, D0, D1)
+                    _store(dq_src, _offsets(rows, cols, sdq_r, sdq_c, WIDE), q_in, dq0, dq1, D, D0, D1, True)
         offs = _offsets(k_rows, k_c, sg_r, sg_c, WIDE)
         bh_g = b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
-        _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1)
-        _store(dv_ptr + bh_g, offs, k_valid, dv0, dv1, D, D0, D1)
+        _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1, False)
+        _store(dv_ptr + bh_g, offs, k_valid, dv0, dv1, D, D0, D1, False)
 
 
 # -- launches -------------------------------------------------------------------------------------
