@@ -145,6 +145,18 @@ def run_module(name: str, args, cwd, timeout=300):
     return _zygote().run(name, [str(a) for a in args], cwd, env, 1, timeout)
 
 
+def benchmark_json(script: str, *args) -> dict:
+    """``python benchmarks/<script> args --json`` in a new interpreter (the lowering benchmarks set
+    TRITON_INTERPRET before Triton's import), from the checkout: its JSON line, or the failure's
+    stderr as the assertion's message."""
+    import json
+
+    cmd = [sys.executable, f"benchmarks/{script}", *map(str, args), "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def tiny_overrides(tmp_path, data_root, **extra):
     """A fast tiny run: small synthetic grid and few steps, outputs under tmp_path."""
     o = {

@@ -176,17 +176,10 @@ def test_a_compiled_block_for_an_h200_makes_no_pass_for_conv0s_bias_or_the_skip_
     residual sum) and one backward (a bias gradient); adding conv0's bias by itself, and
     multiplying the sum and its gradient by skip_scale, moved two more each way. A decoder block
     adds its concatenation (four)."""
-    import json
-    import subprocess
-    import sys
+    from tests.conftest import benchmark_json
 
-    from tests.conftest import REPO
-
-    cmd = [sys.executable, "benchmarks/unet_lowering.py", "--batch", "1", "--grid", "256", "320", "--json"]
-    cmd += ["--units", "enc.256_block0", "dec.256_block1"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    units = {u["name"]: u for u in json.loads(proc.stdout.splitlines()[-1])["units"]}
+    args = ("--batch", 1, "--grid", 256, 320, "--units", "enc.256_block0", "dec.256_block1")
+    units = {u["name"]: u for u in benchmark_json("unet_lowering.py", *args)["units"]}
     activation = 1 * 128 * 256 * 320 * 2 / 1e9  # GB: one bf16 activation of level 0
     moved = {}
     for name, unit in units.items():

@@ -342,17 +342,10 @@ def test_a_compiled_block_for_an_h200_reads_q_k_v_in_place_and_keeps_attention_o
     inductor's code generated for an H200 on this machine (benchmarks/block_lowering.py): the
     fused attention is one custom op each way, and no forward kernel copies q, k or v out of the
     projection's output (inductor names a copy's kernel after its ``clone``)."""
-    import json
-    import subprocess
-    import sys
+    from tests.conftest import benchmark_json
 
-    from tests.conftest import REPO
-
-    cmd = [sys.executable, "benchmarks/block_lowering.py", "--batch", "1", "--grid", "12", "16", "--hidden", "64"]
-    cmd += ["--heads", "4", "--kernel", "5", "--json"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
+    args = ("--batch", 1, "--grid", 12, 16, "--hidden", 64, "--heads", 4, "--kernel", 5)
+    result = benchmark_json("block_lowering.py", *args)
     forward, backward = result["forward"], result["backward"]
     assert forward["error"] is None and backward["error"] is None, result
     assert forward["calls"].count("torch.ops.stormscope.natten_forward") == 1, forward["calls"]

@@ -118,17 +118,9 @@ def test_flex_in_blocks_of_64_lowers_for_hopper_under_128_tokens(head_dim):
     every template keeps a candidate. Without ``BACKEND``, torch 2.11-2.13 take flex_decoding for
     the forward, whose 128-query tile no 64-token block is a multiple of, and fail the compile
     with ``NoValidChoicesError`` (as on the H200)."""
-    import json
-    import subprocess
-    import sys
+    from tests.conftest import benchmark_json
 
-    from tests.conftest import REPO
-
-    cmd = [sys.executable, "benchmarks/flex_lowering.py", "--block", "64", "--tokens", "72"]
-    cmd += ["--head-dim", str(head_dim), "--natten", "--json"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
+    result = benchmark_json("flex_lowering.py", "--block", 64, "--tokens", 72, "--head-dim", head_dim, "--natten")
     assert result["error"] is None and result["options"]["BACKEND"] == "TRITON", result
     choices = dict(result["choices"])
     assert set(choices) == {"flex_attention", "flex_attention_backward"} and min(choices.values()) >= 1, result
