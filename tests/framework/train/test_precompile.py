@@ -196,3 +196,57 @@ def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog, chan
     for ge, gc in zip(losses[0][1], losses[1][1]):
         torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-6)
     torch._dynamo.reset()
+
+
+class _Layer(torch.nn.Module):
+    """One linear layer after a GELU: one compiled unit, a forward and a backward graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(torch.nn.functional.gelu(x))
+
+
+class _LayerTask:
+    @staticmethod
+    def example_batch(n, empty):
+        return {"x": empty((n, 16)), "y": empty((n, 16))}
+
+    @staticmethod
+    def loss(model, batch):
+        return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+@pytest.mark.timeout(300)
+def test_a_spawned_worker_builds_what_the_first_step_loads(tmp_path):
+    """The torch-version-sensitive core of precompilation at a size CI's runs on the oldest and
+    newest torch can afford (the SongUNet test above takes a minute there): a spawned worker
+    builds a unit's graphs with inductor under this process's cache key, custom-op digest and
+    global flags included; the first step builds none, loads the forward, backward and joint
+    graphs, and computes what the eager model does."""
+    _register_an_op_the_workers_lack()
+    torch.manual_seed(0)
+    eager = _Layer()
+    model = _Layer()
+    model.load_state_dict(eager.state_dict())
+    compiled = compile_model(model, units=["Linear"], device_type="cpu", cache_dir=tmp_path / "cache")
+    jobs = precompile.plan_jobs(1, compiled, model, _LayerTask(), 4, _Precision(), torch.device("cpu"))
+    assert len(jobs) == 1 and jobs[0].args[0][1] == (4, 16), jobs
+    out = precompile.run_jobs(jobs, 1, compiled, _Precision(), False, torch.device("cpu"), DistEnv(), timeout_s=250)
+    assert out is not None and out["built"] == 1 and not out["failed"], out
+
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(4, 16, generator=g), "y": torch.randn(4, 16, generator=g)}
+    losses = []
+    for m in (eager, model):
+        loss = _LayerTask.loss(m, batch)
+        loss.backward()
+        losses.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+    s = compiled.stats()
+    assert s["built"] == 0 and s["loaded"] == 2 and s["aot_loaded"] == 1, s
+    assert abs(losses[0][0] - losses[1][0]) <= 1e-6 * abs(losses[0][0])
+    for ge, gc in zip(losses[0][1], losses[1][1]):
+        torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-7)
+    torch._dynamo.reset()
