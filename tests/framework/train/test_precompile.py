@@ -46,15 +46,24 @@ def _unet(dropout=0.0):
 
 
 class _Task:
-    """The two Task methods precompilation uses: an example batch and the loss."""
+    """The two Task methods precompilation uses: an example batch (of samples shaped ``x`` and
+    ``y``; the SongUNet's by default) and the loss."""
 
-    @staticmethod
-    def example_batch(n, empty):
-        return {"x": empty((n, 3, 16, 16)), "y": empty((n, 2, 16, 16))}
+    def __init__(self, x=(3, 16, 16), y=(2, 16, 16)):
+        self.x, self.y = x, y
+
+    def example_batch(self, n, empty):
+        return {"x": empty((n, *self.x)), "y": empty((n, *self.y))}
 
     @staticmethod
     def loss(model, batch):
         return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def _loss_and_grads(model, batch) -> tuple[float, list[torch.Tensor]]:
+    loss = _Task.loss(model, batch)
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
 class _Precision:
@@ -183,12 +192,8 @@ def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog, chan
     assert "precompiled by 2 workers" in caplog.text and "not built" in caplog.text
 
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(2, 3, 16, 16, generator=g), torch.randn(2, 2, 16, 16, generator=g)
-    losses = []
-    for m in (eager, model):
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
-        losses.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+    batch = {"x": torch.randn(2, 3, 16, 16, generator=g), "y": torch.randn(2, 2, 16, 16, generator=g)}
+    losses = [_loss_and_grads(m, batch) for m in (eager, model)]
     s = compiled.stats()
     assert s["built"] == 0 and s["loaded"] == 2 * len(jobs), s  # a forward and a backward graph each
     assert s["aot_loaded"] == len(jobs), s  # joint graphs neither traced nor partitioned again
@@ -209,16 +214,6 @@ class _Layer(torch.nn.Module):
         return self.linear(torch.nn.functional.gelu(x))
 
 
-class _LayerTask:
-    @staticmethod
-    def example_batch(n, empty):
-        return {"x": empty((n, 16)), "y": empty((n, 16))}
-
-    @staticmethod
-    def loss(model, batch):
-        return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
-
-
 @pytest.mark.timeout(300)
 def test_a_spawned_worker_builds_what_the_first_step_loads(tmp_path):
     """The torch-version-sensitive core of precompilation at a size CI's runs on the oldest and
@@ -232,18 +227,14 @@ def test_a_spawned_worker_builds_what_the_first_step_loads(tmp_path):
     model = _Layer()
     model.load_state_dict(eager.state_dict())
     compiled = compile_model(model, units=["Linear"], device_type="cpu", cache_dir=tmp_path / "cache")
-    jobs = precompile.plan_jobs(1, compiled, model, _LayerTask(), 4, _Precision(), torch.device("cpu"))
+    jobs = precompile.plan_jobs(1, compiled, model, _Task((16,), (16,)), 4, _Precision(), torch.device("cpu"))
     assert len(jobs) == 1 and jobs[0].args[0][1] == (4, 16), jobs
     out = precompile.run_jobs(jobs, 1, compiled, _Precision(), False, torch.device("cpu"), DistEnv(), timeout_s=250)
     assert out is not None and out["built"] == 1 and not out["failed"], out
 
     g = torch.Generator().manual_seed(1)
     batch = {"x": torch.randn(4, 16, generator=g), "y": torch.randn(4, 16, generator=g)}
-    losses = []
-    for m in (eager, model):
-        loss = _LayerTask.loss(m, batch)
-        loss.backward()
-        losses.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+    losses = [_loss_and_grads(m, batch) for m in (eager, model)]
     s = compiled.stats()
     assert s["built"] == 0 and s["loaded"] == 2 and s["aot_loaded"] == 1, s
     assert abs(losses[0][0] - losses[1][0]) <= 1e-6 * abs(losses[0][0])
