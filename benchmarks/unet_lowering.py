@@ -91,6 +91,7 @@ def signatures(batch: int, grid: tuple[int, int], levels: list[int], dropout: fl
     units = find_units(model, [])
     units += named_regions(model, units)
     seen: dict[tuple, list] = {}
+    name_of = {id(u): n for n, u in units}
 
     def record(module, args, kwargs):
         key = signature(module, args, kwargs)
@@ -98,7 +99,6 @@ def signatures(batch: int, grid: tuple[int, int], levels: list[int], dropout: fl
             seen[key] = [name_of[id(module)], module, args, kwargs, 0]
         seen[key][4] += 1
 
-    name_of = {id(u): n for n, u in units}
     handles = [u.register_forward_pre_hook(record, with_kwargs=True) for _, u in units]
     try:
         with fake, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -131,11 +131,10 @@ def _lower_unet(batch, grid, levels, dropout, memory_budget, units) -> dict:
             continue
         args = tuple(canonical(a, True) for a in args)  # as RegionForward hands them over
         kwargs = {k: canonical(v, True) for k, v in kwargs.items()}
+        entry = {"name": name, "shapes": [list(a.shape) for a in args if torch.is_tensor(a)], "count": count}
         with inductor_config.patch(options):
             graphs = hopper_lowering.trace_graphs(type(unit).forward, unit, *args, **kwargs)
-        entry = {"name": name, "shapes": [list(a.shape) for a in args if torch.is_tensor(a)], "count": count}
-        for part, (graph, inputs) in zip(("forward", "backward"), graphs):
-            with inductor_config.patch(force_layout_optimization=True):
+            for part, (graph, inputs) in zip(("forward", "backward"), graphs):
                 entry[part] = hopper_lowering.lower_kernels(graph, inputs)
         out.append(entry)
     return {"units": out}
