@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recipes.stormscope import fused_natten  # noqa: E402
 from recipes.stormscope.natten import window_starts  # noqa: E402
 
-KERNELS = ("_fna_forward", "_fna_backward_dq", "_fna_backward_dkdv")
+KERNELS = ("_fna_forward", "_fna_backward_dq", "_fna_backward_dkdv")  # the tiled ones
+DELTA = "_fna_delta"  # the backward's rowsum(dO * O): no tiles, no loop
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _OPTIONS = ("num_warps", "num_stages")
@@ -56,7 +57,7 @@ class _Recorder:
 def recorded_launches():
     """Within: the fused kernels' launches are recorded into the yielded list, not run."""
     calls: list = []
-    saved = {name: getattr(fused_natten, name) for name in KERNELS}
+    saved = {name: getattr(fused_natten, name) for name in (*KERNELS, DELTA)}
     for name, kernel in saved.items():
         setattr(fused_natten, name, _Recorder(kernel, calls))
     try:
@@ -122,9 +123,10 @@ def report(kernel, args, kw, arch: int) -> dict:
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spills = re.search(r"(\d+) bytes spill stores", out.stderr)
     ttgir = compiled.asm["ttgir"]
-    tiles = kw["QH"] * kw["QW"] * kw["KH"] * kw["KW"]  # scores per loop iteration
-    per_score = 32 * options["num_warps"] / tiles
-    tested, untested = (n * per_score for n in loop_instructions(compiled.asm["ptx"]))
+    tested = untested = None
+    if "QH" in kw:  # a tiled kernel (not the delta kernel)
+        per_score = 32 * options["num_warps"] / (kw["QH"] * kw["QW"] * kw["KH"] * kw["KW"])  # scores per loop pass
+        tested, untested = (n * per_score for n in loop_instructions(compiled.asm["ptx"]))
     return {
         "kernel": kernel.__name__,
         "registers": int(regs.group(1)) if regs else None,
@@ -209,7 +211,8 @@ def parse_tiles(text: str) -> fused_natten.Tiles:
 
 
 def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None) -> list:
-    """The recorded launches of one forward and backward at this size (``tiles`` for all three)."""
+    """The recorded launches of one forward and backward at this size, the backward's delta kernel
+    among them (``tiles`` for the three tiled kernels)."""
     saved, saved_fp32 = dict(fused_natten.TILES), fused_natten.TILES_FP32
     if tiles is not None:
         fused_natten.TILES.update(fwd=tiles, dq=tiles, dkdv=tiles)
@@ -251,6 +254,9 @@ def main(argv=None) -> None:
         print(f"tiles {label}: sm{a.arch}, {a.dtype}, grid {a.grid[0]}x{a.grid[1]}, {a.heads} heads of {a.head_dim}")
         for kernel, _, args, kw in launches(a.grid, a.heads, a.head_dim, a.kernel, a.batch, DTYPES[a.dtype], tiles):
             r = report(kernel, args, kw, a.arch)
+            if r["kernel"] == DELTA:
+                print(f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled")
+                continue
             tiles_of = fused_natten.Tiles(kw["QH"], kw["QW"], kw["KH"], kw["KW"], full=kw["FULL"])
             share = full_tile_share(a.grid, a.kernel, tiles_of, r["kernel"] == "_fna_backward_dkdv")
             mean = r["instructions_per_score"] * (1 - share) + r["full_tile_instructions_per_score"] * share

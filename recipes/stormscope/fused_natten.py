@@ -11,13 +11,13 @@ own output: no copies), with unit stride along head_dim. Each program owns a 2-D
 queries (``QH x QW`` tokens) and loops over 2-D tiles of keys (``KH x KW``) laid from the corner
 of the union of its queries' windows, so no block order or block mask exists: a score is kept
 when its key lies in its query's clamped window (four comparisons). Heads of 48 are two products,
-32 and 16 wide, instead of one padded to 64. Backward is FlashAttention-2's: one kernel per key
-tile for dK and dV (over the query tiles whose windows reach it) and one per query tile for dQ,
-from the forward's log-sum-exp. Opt-in (``/atomic`` on its tiles), the dK/dV kernel adds each
-query tile's share of dQ to a float32 buffer by atomic adds instead (with ``/tma``, the copy
-engine's bulk reductions), so the scores and their gradients are computed once, not twice
-(FlashAttention-3's way); the order of those additions varies between runs, so torch's
-deterministic algorithms (``deterministic=true``) keep two kernels.
+32 and 16 wide, instead of one padded to 64. Backward is FlashAttention-2's: rowsum(dO * O) per
+query first, then one kernel per key tile for dK and dV (over the query tiles whose windows reach
+it) and one per query tile for dQ, from the forward's log-sum-exp. Opt-in (``/atomic`` on its
+tiles), the dK/dV kernel adds each query tile's share of dQ to a float32 buffer by atomic adds
+instead (with ``/tma``, the copy engine's bulk reductions), so the scores and their gradients
+are computed once, not twice (FlashAttention-3's way); the order of those additions varies
+between runs, so torch's deterministic algorithms (``deterministic=true``) keep two kernels.
 
 Same semantics as ``natten``: NATTEN's clamped windows, bands of rows with global offsets for
 domain parallelism (the queries' windows must lie in the key band, which ``natten`` checks).
@@ -418,6 +418,27 @@ if triton is not None:
         tl.store(lse_ptr + l_offs, m_i + tl.log2(l_i), mask=valid)
 
     @triton.jit
+    def _fna_delta(
+        do_ptr, o_ptr, delta_ptr, sd_b, sd_h, sd_r, sd_c, so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c,
+        hq, w, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, WIDE: tl.constexpr,
+    ):  # fmt: skip
+        """delta = rowsum(dO * O) of T queries of one sample and head, summed in float32 from dO
+        and O as they lie (in eager torch that was float32 copies of both, their product and a
+        sum: four passes over 16-bit tensors of the layer's size, 1 ms a layer on an H100)."""
+        n = tl.program_id(0) * T + tl.arange(0, T)
+        b, h = tl.program_id(2), tl.program_id(1)
+        rows, cols = n // w, n % w
+        d = tl.arange(0, DP)
+        mask = (n < hq * w)[:, None] & (d[None, :] < D)
+        do_offs = _offsets(rows, cols, sd_r, sd_c, WIDE)[:, None] + d[None, :]
+        do = tl.load(do_ptr + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h + do_offs, mask=mask, other=0.0)
+        o_offs = _offsets(rows, cols, so_r, so_c, WIDE)[:, None] + d[None, :]
+        o = tl.load(o_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + o_offs, mask=mask, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
+        tl.store(delta_ptr + l_offs, delta, mask=n < hq * w)
+
+    @triton.jit
     def _fna_backward_dq(
         q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
@@ -693,18 +714,33 @@ def _(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows):
     return _token_major(q, q.shape[2]), _row_stats(q, q.shape[2])
 
 
+# Queries per program of the delta kernel: a (64, 64) tile of each input, 16 KiB in 16 bits.
+_DELTA_TOKENS = 64
+
+
+def _row_sums(grad: Tensor, out: Tensor, lse: Tensor) -> Tensor:
+    """delta = rowsum(dO * O) in float32, laid out as ``lse`` is (the kernels index both with lse's
+    strides; lse may come back from a saved-tensor hook in another layout than the forward made)."""
+    b, heads, hq, w, d = grad.shape
+    delta = torch.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=lse.device)
+    grid = (triton.cdiv(hq * w, _DELTA_TOKENS), heads, b)
+    with _device_of(grad):
+        _fna_delta[grid](
+            grad, out, delta, *_strides(grad), *_strides(out), *_strides(delta), hq, w,
+            D=d, DP=max(16, triton.next_power_of_2(d)), T=_DELTA_TOKENS, WIDE=_wide(grad, out),
+        )  # fmt: skip
+    return delta
+
+
 @torch.library.custom_op("stormscope::natten_backward", mutates_args=())
 def natten_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dQ, dK, dV (stored token-major) from the output's gradient and the forward's out and lse."""
-    grad, q, k, v = (_unit_head_stride(t) for t in (grad, q, k, v))
+    grad, q, k, v, out = (_unit_head_stride(t) for t in (grad, q, k, v, out))
     g = _geometry(q, k, kernel, q_row_offset, kv_row_offset, grid_rows)
-    # delta = rowsum(dO * O), laid out as lse is (the kernels index both with lse's strides; lse may
-    # come back from a saved-tensor hook in another layout than the forward made)
-    delta = torch.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=lse.device)
-    torch.sum(grad.float() * out.float(), dim=-1, out=delta)
+    delta = _row_sums(grad, out, lse)
     dkdv_tiles = _tiles("dkdv", q)
     atomic = _atomic_dq(dkdv_tiles)
     # (atomic: dQ is summed in float32, in the layout it is handed back in)

@@ -241,7 +241,7 @@ def test_atomic_dq_is_one_backward_kernel_and_deterministic_algorithms_keep_two(
     # algorithms (deterministic=true), whose results must not vary by run, the dQ kernel again
     _set_fp32_tiles(monkeypatch, "4x8/8x4/4/2/atomic", device)
     launched: list = []
-    for name in ("_fna_backward_dq", "_fna_backward_dkdv"):
+    for name in ("_fna_delta", "_fna_backward_dq", "_fna_backward_dkdv"):
         monkeypatch.setattr(fused_natten, name, _Counted(getattr(fused_natten, name), launched))
     rows, cols, heads, dim, kernel = 11, 14, 2, 48, 5
     q, k, v, dy = _qkv((1, heads, rows, cols, dim), seed=6)
@@ -252,7 +252,7 @@ def test_atomic_dq_is_one_backward_kernel_and_deterministic_algorithms_keep_two(
 
     args = [t.float().to(device) for t in (q, k, v, dy)]
     atomic = _values_and_grads(fused, *args)
-    assert launched == ["_fna_backward_dkdv"]
+    assert launched == ["_fna_delta", "_fna_backward_dkdv"]  # (rowsum(dO * O) first, in its own kernel)
     assert atomic[1].dtype == torch.float32 and atomic[1].stride() == atomic[2].stride()  # token-major
     _close(atomic, want, atol=2e-5)
     launched.clear()
@@ -261,7 +261,7 @@ def test_atomic_dq_is_one_backward_kernel_and_deterministic_algorithms_keep_two(
         two = _values_and_grads(fused, *args)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert launched == ["_fna_backward_dq", "_fna_backward_dkdv"]
+    assert launched == ["_fna_delta", "_fna_backward_dq", "_fna_backward_dkdv"]
     _close(two, want, atol=2e-5)
 
 
@@ -497,7 +497,12 @@ def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_co
 
     asked = tiles and fused_natten.Tiles.parse(tiles)
     calls = kernel_build.launches((128, 160), 16, 48, 31, 4, dtype, asked)
-    assert [c[0].__name__ for c in calls] == list(kernel_build.KERNELS)
+    names = [c[0].__name__ for c in calls]
+    assert names == ["_fna_forward", kernel_build.DELTA, "_fna_backward_dq", "_fna_backward_dkdv"]
+    # the backward's rowsum(dO * O): in registers, from 16-bit loads (no float32 copies)
+    kernel, _, args, kw = calls.pop(1)
+    r = kernel_build.report(kernel, args, kw, 90)
+    assert r["spill_bytes"] == 0 and r["instructions_per_score"] is None, r
     for (kernel, _, args, kw), name in zip(calls, ("fwd", "dq", "dkdv")):
         # None: the defaults, per kernel (the forward's loads through descriptors, skipping on full tiles)
         t = asked or (fused_natten.TILES_FP32 if dtype == torch.float32 else fused_natten.TILES[name])
@@ -525,7 +530,7 @@ def test_the_kernels_with_64_bit_offsets_build_for_hopper(tiles, monkeypatch):
     assert all(kw["WIDE"] for _, _, _, kw in calls)
     for kernel, _, args, kw in calls:
         r = kernel_build.report(kernel, args, kw, 90)
-        assert r["tensor_core"] == "wgmma", r
+        assert r["tensor_core"] == ("none" if kernel.__name__ == kernel_build.DELTA else "wgmma"), r
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
@@ -542,8 +547,8 @@ def test_the_atomic_backward_builds_for_hopper_as_one_kernel(wide, tiles, monkey
     monkeypatch.setattr(fused_natten, "_wide", lambda *tensors: wide)
     tiles = fused_natten.Tiles.parse(tiles)
     calls = kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16, tiles)
-    assert [c[0].__name__ for c in calls] == ["_fna_forward", "_fna_backward_dkdv"]
-    kernel, _, args, kw = calls[1]
+    assert [c[0].__name__ for c in calls] == ["_fna_forward", kernel_build.DELTA, "_fna_backward_dkdv"]
+    kernel, _, args, kw = calls[2]
     assert kw["ATOMIC"] and kw["WIDE"] == wide and kw["DQ_TMA"] == tiles.tma
     r = kernel_build.report(kernel, args, kw, 90)
     assert r["spill_bytes"] == 0 and r["tensor_core"] == "wgmma", r
