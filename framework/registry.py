@@ -70,7 +70,13 @@ class Registry:
         load_providers()
         if name not in self._entries:
             valid = ", ".join(self.names()) or "(none)"
-            raise ConfigError(f"unknown {self.kind} '{name}'; valid: {valid}")
+            hint = ""
+            if not plugin_modules():  # e.g. a checkout on PYTHONPATH, never pip-installed
+                hint = (
+                    f" (no recipe plugin is installed: `pip install -e .` in the checkout, or name the"
+                    f" modules in {PLUGIN_ENV}, comma-separated: {PLUGIN_ENV}=pkg.registry,...)"
+                )
+            raise ConfigError(f"unknown {self.kind} '{name}'; valid: {valid}{hint}")
         return self._entries[name]
 
     def build(self, name: str, *args, **kwargs):

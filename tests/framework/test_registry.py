@@ -51,8 +51,20 @@ def test_trainer_entry_is_the_configured_one():
 
 
 def test_unknown_name_lists_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown precision policy 'fp8'; valid: bf16, fp16, fp32, tf32"):
+    with pytest.raises(ConfigError, match=r"unknown precision policy 'fp8'; valid: bf16, fp16, fp32, tf32$"):
         registry.precision.entry("fp8")
+
+
+def test_a_model_unknown_for_want_of_any_plugin_says_how_to_get_them(monkeypatch):
+    # a checkout on PYTHONPATH that was never pip-installed has no entry points: "valid: (none)"
+    # alone would not say why
+    monkeypatch.setattr(registry, "plugin_modules", lambda: [])
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown model 'nope'; .*no recipe plugin is installed: `pip install -e \.`"
+        r".* FRAMEWORK_RECIPES=pkg\.registry",
+    ):
+        registry.models.entry("nope")
 
 
 def test_duplicate_registration_is_refused():
