@@ -507,6 +507,8 @@ def worker(args) -> None:
             "flop_step_s": flop_step_s,
             "first_step_s": first_step_s,
             "precompile_s": precompiled["seconds"] if precompiled else None,
+            # what the workers built: a graph the first step builds itself is one they failed or keyed otherwise
+            "precompiled": {k: precompiled[k] for k in ("jobs", "built", "failed")} if precompiled else None,
             "variant": args.variant,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         }
@@ -721,6 +723,10 @@ def print_table(runs: list[dict], args) -> None:
                 f"inductor built {c.get('built')} / loaded {c.get('loaded')} graphs, "
                 f"channels_last={r.get('channels_last')}, CUDA graph skips {c.get('cudagraph_skips', '-')}"
             )
+        if r.get("precompiled"):
+            w = r["precompiled"]
+            failed = f"; not built: {'; '.join(w['failed'][:3])}" if w["failed"] else ""
+            print(f"{'':>8} precompiled: {w['built']} of {w['jobs']} block signatures built by the workers{failed}")
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))
 
