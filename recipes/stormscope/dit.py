@@ -300,6 +300,11 @@ class DiT(nn.Module):
     block replaces the attention input of each patch holding an invalid pixel by its token.
     """
 
+    # Compiled beside the blocks (trainer.compile): eager, the patch embedding and the final layer
+    # run as separate float32 passes and casts over the whole token grid (LayerNorm, modulation,
+    # layout and dtype conversions: about 5 ms of the preset's step, docs/benchmarks.md run 22).
+    compile_regions = ("patch_embed", "final")
+
     def __init__(
         self,
         img_resolution: tuple[int, int],

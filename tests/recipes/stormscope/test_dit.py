@@ -243,6 +243,32 @@ def test_checkpoint_blocks_same_output_and_grads():
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
+def test_trainer_compile_takes_the_patch_embedding_and_final_layer_beside_the_blocks():
+    # (eager, they are float32 passes and casts over the whole token grid: run 22's profile)
+    from framework.train.compile import compile_model
+
+    torch._dynamo.reset()
+    plain = tiny(pos_embed="learned", num_scalar_conditions=2)
+    perturb_(plain)
+    model = tiny(pos_embed="learned", num_scalar_conditions=2)
+    model.load_state_dict(plain.state_dict())
+    c = compile_model(model, device_type="cpu", backend="aot_eager")
+    assert [n for n, _ in c.units_list] == ["blocks.0", "blocks.1", "patch_embed", "final"]
+    x, t = inputs()
+    s = torch.randn(2, 2)
+    outs = []
+    for m in (plain, model):
+        out = m(x, t, scalar_conditions=s)
+        out.square().mean().backward()
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0])
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    stats = c.stats()
+    assert stats["graph_breaks"] == 0 and stats["graphs"] == 3, stats  # one per block signature and region
+    torch._dynamo.reset()
+
+
 def test_blocks_are_a_module_list_and_params_contiguous():
     model = tiny()
     assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 2
