@@ -40,7 +40,7 @@ KERNELS = ("_fna_forward", "_fna_backward_dq", "_fna_backward_dkdv")  # the tile
 DELTA = "_fna_delta"  # the backward's rowsum(dO * O): no tiles, no loop
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_OPTIONS = ("num_warps", "num_stages")
+_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 class _Recorder:
@@ -131,6 +131,8 @@ def report(kernel, args, kw, arch: int) -> dict:
         "kernel": kernel.__name__,
         "registers": int(regs.group(1)) if regs else None,
         "spill_bytes": int(spills.group(1)) if spills else None,
+        # local-memory loads and stores in the main loop's machine code: spills it pays per tile
+        "loop_local_accesses": loop_local_accesses(compiled.asm["cubin"], bin_dir / "nvdisasm"),
         "shared_bytes": compiled.metadata.shared,
         "atomics": len(re.findall(r"\b(?:red|atom)\.global", compiled.asm["ptx"])),  # /atomic's dQ adds, by threads
         "bulk_reductions": compiled.asm["ptx"].count("cp.reduce.async.bulk"),  # ... by the copy engine (/tma)
@@ -144,17 +146,41 @@ def report(kernel, args, kw, arch: int) -> dict:
     }
 
 
+def _loops(code: str, label: str, branch: str) -> list[list[str]]:
+    """The spans of ``code``'s lines from a label (``label`` matches its line, group 1 its name) to
+    a branch back to it (``branch`` searches the line, group 1 the name): the loops."""
+    lines = code.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(label, line))}
+    return [
+        lines[labels[m.group(1)] : i]
+        for i, line in enumerate(lines)
+        if (m := re.search(branch, line)) and labels.get(m.group(1), i) < i
+    ]
+
+
+def loop_local_accesses(cubin: bytes, nvdisasm: Path) -> int | None:
+    """LDL and STL instructions (spilled registers) in the SASS loop with the most warp-group
+    products, the kernel's main loop (None without nvdisasm). Spills outside it are paid once."""
+    if not nvdisasm.exists():
+        return None
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_build_{os.getpid()}.cubin"
+    path.write_bytes(cubin)
+    try:
+        sass = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    finally:
+        path.unlink(missing_ok=True)
+    loops = _loops(sass, r"\s*\.(L_x_\d+):", r"\bBRA\b.*?\.(L_x_\d+)")
+    if not loops:
+        return 0
+    body = max(loops, key=lambda span: sum("HGMMA" in line for line in span))
+    return sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in body)
+
+
 def loop_instructions(ptx: str) -> tuple[int, int]:
     """PTX instructions of the inner loop, per thread, on its longest and its shortest path: of the
     spans from a label to a branch back to it, those with the most matrix products (a loop with a
     block it may skip, the window test, closes twice: once after the block, once before it)."""
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\$L__\w+):", line))}
-    loops = [
-        lines[labels[m.group(1)] : i]
-        for i, line in enumerate(lines)
-        if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)) and labels.get(m.group(1), i) < i
-    ]
+    loops = _loops(ptx, r"(\$L__\w+):", r"\bbra(?:\.uni)?\s+(\$L__\w+);")
     products = max(sum("mma" in line for line in span) for span in loops)
     counts = [
         sum(1 for line in span if re.match(r"\s+(@!?%p\d+\s+)?[a-z]", line))
@@ -246,7 +272,7 @@ def main(argv=None) -> None:
         type=parse_tiles,
         nargs="*",
         default=[None],
-        help="QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic]",
+        help="QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic][/rN]",
     )
     a = p.parse_args(argv)
     for tiles in a.tiles:
@@ -266,10 +292,14 @@ def main(argv=None) -> None:
                 if share
                 else ""
             )
+            in_loop = r["loop_local_accesses"]
             print(
-                f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled, "
-                f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, {r['async_loads']} async + {r['tma_loads']} TMA loads, "
-                f"{r['tensor_core']}, {r.get('num_warps')} warps, {r.get('num_stages')} stages, "
+                f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled"
+                + (f" ({in_loop} local loads/stores in the loop), " if in_loop else ", ")
+                + f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, "
+                f"{r['async_loads']} async + {r['tma_loads']} TMA loads, {r['tensor_core']}, "
+                f"{r.get('num_warps')} warps, {r.get('num_stages')} stages, "
+                + (f"at most {r['maxnreg']} registers, " if r.get("maxnreg") else "")
                 + (f"{r['atomics']} atomic adds (dQ), " if r["atomics"] else "")
                 + (f"{r['bulk_reductions']} bulk reductions (dQ), " if r["bulk_reductions"] else "")
                 + f"{mean:.1f} instructions/score{paths}"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from typing import NamedTuple
 
 import torch
@@ -70,7 +71,8 @@ class Tiles(NamedTuple):
     through tensor descriptors; ``full``: the window test skipped on tiles inside every window of
     the other side's tile, with the tiles laid out to make as many such as they can; ``atomic``
     (the dK/dV kernel's alone): that kernel also adds dQ up, by float32 atomic adds, and no dQ
-    kernel runs (except under torch's deterministic algorithms)."""
+    kernel runs (except under torch's deterministic algorithms); ``regs``: a cap on each thread's
+    registers (ptxas's maxnreg), so that more programs fit on an SM, at the cost of spills."""
 
     qh: int
     qw: int
@@ -82,13 +84,15 @@ class Tiles(NamedTuple):
     tma: bool = False
     full: bool = False
     atomic: bool = False
+    regs: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
-        """From ``QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic]`` (the benchmarks'
-        notation; ``pad``: no split)."""
+        """From ``QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic][/rN]`` (the benchmarks'
+        notation; ``pad``: no split; ``rN``: at most N registers a thread)."""
         parts = text.split("/")
-        flags = [p for p in parts[2:] if p in ("pad", "tma", "full", "atomic")]
+        flags = [p for p in parts[2:] if p in ("pad", "tma", "full", "atomic") or re.fullmatch(r"r\d+", p)]
+        caps = [int(p[1:]) for p in flags if p[0] == "r"]
         try:
             (qh, qw), (kh, kw) = ([int(x) for x in p.split("x")] for p in parts[:2])
             numbers = [int(x) for x in parts[2 : len(parts) - len(flags)]]
@@ -98,17 +102,20 @@ class Tiles(NamedTuple):
             numbers is None
             or len(numbers) > 2
             or len(set(flags)) < len(flags)
+            or len(caps) > 1
             or parts[len(parts) - len(flags) :] != flags
         ):
-            raise ValueError(f"tiles must read QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic], got {text!r}")
+            form = "QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic][/rN]"
+            raise ValueError(f"tiles must read {form}, got {text!r}")
         return cls(
             qh, qw, kh, kw, *numbers,
             split="pad" not in flags, tma="tma" in flags, full="full" in flags, atomic="atomic" in flags,
+            regs=caps[0] if caps else None,
         )  # fmt: skip
 
     def __str__(self) -> str:
         flags = ("" if self.split else "/pad") + ("/tma" if self.tma else "") + ("/full" if self.full else "")
-        flags += "/atomic" if self.atomic else ""
+        flags += ("/atomic" if self.atomic else "") + (f"/r{self.regs}" if self.regs else "")
         return f"{self.qh}x{self.qw}/{self.kh}x{self.kw}/{self.warps}/{self.stages}{flags}"
 
 
@@ -637,7 +644,7 @@ def _constants(q: Tensor, tiles: Tiles) -> dict:
     return dict(
         D=d, D0=d0, D1=d1, QH=tiles.qh, QW=tiles.qw, KH=tiles.kh, KW=tiles.kw,
         PRECISION="ieee" if q.dtype == torch.float32 else None, FULL=tiles.full,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages, **({"maxnreg": tiles.regs} if tiles.regs else {}),
     )  # fmt: skip
 
 
