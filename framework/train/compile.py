@@ -390,6 +390,7 @@ def compile_model(
         warnings.warn(msg, stacklevel=2)
         log.warning(msg)
         return Compiled(False, reason="no units")
+    blocks = list(picked)
     picked += named_regions(model, picked)
 
     cache = _set_cache_dir(cache_dir)
@@ -403,8 +404,8 @@ def compile_model(
         cudnn_benchmark = device_type == "cuda" and not deterministic
     if cudnn_benchmark:  # static shapes: pick each conv's fastest algorithm once
         torch.backends.cudnn.benchmark = True
-    if channels_last is None:
-        channels_last = _wants_channels_last(picked, device_type)
+    if channels_last is None:  # the blocks' choice: a region's convolution (a DiT's patches) does not make one
+        channels_last = _wants_channels_last(blocks, device_type)
     options = dict(options or {})
     if channels_last:
         # NHWC convs inside every graph: inductor's own heuristic skips it for graphs with a conv

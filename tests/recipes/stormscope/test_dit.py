@@ -267,6 +267,10 @@ def test_trainer_compile_takes_the_patch_embedding_and_final_layer_beside_the_bl
     stats = c.stats()
     assert stats["graph_breaks"] == 0 and stats["graphs"] == 3, stats  # one per block signature and region
     torch._dynamo.reset()
+    # the patch embedding's convolution does not turn the token blocks channels-last on CUDA (a
+    # layout copy of the token grid at every block)
+    assert compile_model(tiny(), device_type="cuda", backend="eager").channels_last is False
+    torch._dynamo.reset()
 
 
 def test_blocks_are_a_module_list_and_params_contiguous():
