@@ -31,6 +31,7 @@ _PROVIDERS = (
     "framework.train.trainer",
 )
 PLUGIN_GROUP = "framework.recipes"
+_FROM_RECIPES = ("model", "dataset", "task")  # the kinds a recipe registers, the engine has none of
 PLUGIN_ENV = "FRAMEWORK_RECIPES"
 
 
@@ -71,7 +72,8 @@ class Registry:
         if name not in self._entries:
             valid = ", ".join(self.names()) or "(none)"
             hint = ""
-            if not plugin_modules():  # e.g. a checkout on PYTHONPATH, never pip-installed
+            # what recipes provide, with none installed (e.g. a checkout on PYTHONPATH, never pip-installed)
+            if self.kind in _FROM_RECIPES and not plugin_modules():
                 hint = (
                     f" (no recipe plugin is installed: `pip install -e .` in the checkout, or name the"
                     f" modules in {PLUGIN_ENV}, comma-separated: {PLUGIN_ENV}=pkg.registry,...)"

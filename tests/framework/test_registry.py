@@ -58,6 +58,7 @@ def test_unknown_name_lists_valid_ones():
 def test_a_model_unknown_for_want_of_any_plugin_says_how_to_get_them(monkeypatch):
     # a checkout on PYTHONPATH that was never pip-installed has no entry points: "valid: (none)"
     # alone would not say why
+    registry.load_providers()  # (once loaded, for good: not while no plugin is found)
     monkeypatch.setattr(registry, "plugin_modules", lambda: [])
     with pytest.raises(
         ConfigError,
@@ -65,6 +66,8 @@ def test_a_model_unknown_for_want_of_any_plugin_says_how_to_get_them(monkeypatch
         r".* FRAMEWORK_RECIPES=pkg\.registry",
     ):
         registry.models.entry("nope")
+    with pytest.raises(ConfigError, match=r"unknown precision policy 'fp8'; valid: bf16, fp16, fp32, tf32$"):
+        registry.precision.entry("fp8")  # the engine's own: nothing to install
 
 
 def test_duplicate_registration_is_refused():
