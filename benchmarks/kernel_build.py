@@ -159,8 +159,8 @@ def _loops(code: str, label: str, branch: str) -> list[list[str]]:
 
 
 def loop_local_accesses(cubin: bytes, nvdisasm: Path) -> int | None:
-    """LDL and STL instructions (spilled registers) in the SASS loop with the most warp-group
-    products, the kernel's main loop (None without nvdisasm). Spills outside it are paid once."""
+    """LDL and STL instructions (spilled registers) in the kernel's main loop, the SASS loop with
+    the most products (None without nvdisasm). Spills outside it are paid once."""
     if not nvdisasm.exists():
         return None
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_build_{os.getpid()}.cubin"
@@ -172,7 +172,10 @@ def loop_local_accesses(cubin: bytes, nvdisasm: Path) -> int | None:
     loops = _loops(sass, r"\s*\.(L_x_\d+):", r"\bBRA\b.*?\.(L_x_\d+)")
     if not loops:
         return 0
-    body = max(loops, key=lambda span: sum("HGMMA" in line for line in span))
+    # Hopper's barrier-wait stubs branch back into the middle of the loop: of the spans with the
+    # most products (tensor-core ones, else FMAs), the shortest is the loop itself
+    products = re.compile(r"\b(HGMMA|HMMA)\b" if "MMA" in sass else r"\bFFMA\b")
+    body = max(loops, key=lambda span: (sum(bool(products.search(line)) for line in span), -len(span)))
     return sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in body)
 
 

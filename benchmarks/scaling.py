@@ -726,7 +726,9 @@ def print_table(runs: list[dict], args) -> None:
         if r.get("precompiled"):
             w = r["precompiled"]
             failed = f"; not built: {'; '.join(w['failed'][:3])}" if w["failed"] else ""
-            print(f"{'':>8} precompiled: {w['built']} of {w['jobs']} block signatures built by the workers{failed}")
+            share = " (rank 0's share)" if r["gpus"] > 1 else ""
+            built = f"{w['built']} of {w['jobs']} block signatures built by the workers{share}"
+            print(f"{'':>8} precompiled: {built}{failed}")
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))
 

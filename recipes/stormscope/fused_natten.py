@@ -103,6 +103,7 @@ class Tiles(NamedTuple):
             or len(numbers) > 2
             or len(set(flags)) < len(flags)
             or len(caps) > 1
+            or not all(16 <= c <= 255 for c in caps)  # (ptxas's range: a thread has at most 255)
             or parts[len(parts) - len(flags) :] != flags
         ):
             form = "QHxQW/KHxKW[/warps[/stages]][/pad][/tma][/full][/atomic][/rN]"
@@ -734,7 +735,7 @@ def _row_sums(grad: Tensor, out: Tensor, lse: Tensor) -> Tensor:
     with _device_of(grad):
         _fna_delta[grid](
             grad, out, delta, *_strides(grad), *_strides(out), *_strides(delta), hq, w,
-            D=d, DP=max(16, triton.next_power_of_2(d)), T=_DELTA_TOKENS, WIDE=_wide(grad, out),
+            D=d, DP=max(16, triton.next_power_of_2(d)), T=_DELTA_TOKENS, WIDE=_wide(grad, out, delta),
         )  # fmt: skip
     return delta
 
@@ -757,7 +758,7 @@ def natten_backward(
     sm_scale, qk_scale = _scales(q.shape[-1])
     scalars = (g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale, sm_scale)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(lse))
-    wide = _wide(grad, q, k, v, out, dq, dk)
+    wide = _wide(grad, q, k, v, out, dq, dk, lse)
     if not atomic:
         tiles = _tiles("dq", q)
         grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)

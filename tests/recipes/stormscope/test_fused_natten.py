@@ -400,7 +400,7 @@ def test_tiles_read_the_benchmarks_notation_and_name_what_is_wrong():
     assert fused_natten.Tiles.parse("8x8/8x8/4/2/atomic/r168") == fused_natten.Tiles(8, 8, 8, 8, atomic=True, regs=168)
     assert str(fused_natten.Tiles.parse("8x8/8x8/r168/tma")) == "8x8/8x8/4/2/tma/r168"
     bad_ones = ("8x8", "8x8/8", "8x8/8x8/4/3/x", "8x8/8x8/four", "8x8/8x8/tma/4", "8x8/8x8/4/2/1", "8x8/8x8/full/full")
-    for bad in (*bad_ones, "8x8/8x8/atomic/4", "8x8/8x8/r168/r160", "8x8/8x8/r"):
+    for bad in (*bad_ones, "8x8/8x8/atomic/4", "8x8/8x8/r168/r160", "8x8/8x8/r", "8x8/8x8/r0", "8x8/8x8/r256"):
         with pytest.raises(ValueError, match=f"QHxQW/KHxKW.*got '{bad}'"):
             fused_natten.Tiles.parse(bad)
 
