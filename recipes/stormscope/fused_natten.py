@@ -722,7 +722,7 @@ def _(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows):
     return _token_major(q, q.shape[2]), _row_stats(q, q.shape[2])
 
 
-# Queries per program of the delta kernel: a (64, 64) tile of each input, 16 KiB in 16 bits.
+# Queries per program of the delta kernel: a (64, 64) tile of each input, 8 KiB in 16 bits.
 _DELTA_TOKENS = 64
 
 
