@@ -269,7 +269,7 @@ def test_trainer_compile_takes_the_patch_embedding_and_final_layer_beside_the_bl
     torch._dynamo.reset()
     # the patch embedding's convolution does not turn the token blocks channels-last on CUDA (a
     # layout copy of the token grid at every block)
-    assert compile_model(tiny(), device_type="cuda", backend="eager").channels_last is False
+    assert compile_model(tiny(), device_type="cuda", backend="eager", cudnn_benchmark=False).channels_last is False
     torch._dynamo.reset()
 
 
