@@ -726,16 +726,17 @@ def _(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows):
 _DELTA_TOKENS = 64
 
 
-def _row_sums(grad: Tensor, out: Tensor, lse: Tensor) -> Tensor:
+def _row_sums(grad: Tensor, out: Tensor, lse: Tensor, wide: bool) -> Tensor:
     """delta = rowsum(dO * O) in float32, laid out as ``lse`` is (the kernels index both with lse's
-    strides; lse may come back from a saved-tensor hook in another layout than the forward made)."""
+    strides; lse may come back from a saved-tensor hook in another layout than the forward made);
+    ``wide``: 64-bit offsets (the backward's choice, which covers grad, out and lse)."""
     b, heads, hq, w, d = grad.shape
     delta = torch.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=lse.device)
     grid = (triton.cdiv(hq * w, _DELTA_TOKENS), heads, b)
     with _device_of(grad):
         _fna_delta[grid](
             grad, out, delta, *_strides(grad), *_strides(out), *_strides(delta), hq, w,
-            D=d, DP=max(16, triton.next_power_of_2(d)), T=_DELTA_TOKENS, WIDE=_wide(grad, out, delta),
+            D=d, DP=max(16, triton.next_power_of_2(d)), T=_DELTA_TOKENS, WIDE=wide,
         )  # fmt: skip
     return delta
 
@@ -748,7 +749,6 @@ def natten_backward(
     """dQ, dK, dV (stored token-major) from the output's gradient and the forward's out and lse."""
     grad, q, k, v, out = (_unit_head_stride(t) for t in (grad, q, k, v, out))
     g = _geometry(q, k, kernel, q_row_offset, kv_row_offset, grid_rows)
-    delta = _row_sums(grad, out, lse)
     dkdv_tiles = _tiles("dkdv", q)
     atomic = _atomic_dq(dkdv_tiles)
     # (atomic: dQ is summed in float32, in the layout it is handed back in)
@@ -759,6 +759,7 @@ def natten_backward(
     scalars = (g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale, sm_scale)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(lse))
     wide = _wide(grad, q, k, v, out, dq, dk, lse)
+    delta = _row_sums(grad, out, lse, wide)
     if not atomic:
         tiles = _tiles("dq", q)
         grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
