@@ -4,9 +4,10 @@
 ``--model dit`` is the StormScope preset DiT (16 x 768, 16 heads, patch 4, 31x31
 neighbourhood attention; 28 -> 9 channels: 9 noisy + 9 state + 8 background + 2
 invariants in). MFU: model FLOPs per sample over the device's bf16 peak. SongUNet: counted
-with FlopCounterMode on one step. DiT: FlopCounterMode cannot see inside flex_attention
-(and would count the masked work of other kernels), so its model FLOPs are written out
-(``recipes.stormscope.dit.train_flops``).
+with FlopCounterMode on one sample's forward and backward, on a copy of the model built on
+the meta device (no memory, no GPU time; a domain layout's halo work is not model FLOPs).
+DiT: FlopCounterMode cannot see inside flex_attention (and would count the masked work of
+other kernels), so its model FLOPs are written out (``recipes.stormscope.dit.train_flops``).
 
 Runs the framework's own pieces (registry model builder, mesh, sharding policy,
 precision policy, Trainer.train_step) on in-memory batches, so the data loader is not
@@ -21,13 +22,12 @@ graphs only the latter sees the graphs' pool, and the table leaves the former ou
 bytes of parameters + gradients + optimizer state each GPU holds (measured from the tensors
 after a step). After the warm-up the
 allocator's cache is emptied and one untimed step allocates again, so "reserved" is what the
-steady step holds; "warm-up" is the peak before that (the eager FLOP-counting step, cuDNN's
-algorithm search).
+steady step holds; "warm-up" is the peak before that (the first steps, cuDNN's algorithm
+search).
 
 Eager and compiled side by side: the driver runs every layout both ways (``--modes``);
-``--compile`` in a worker is ``trainer.compile=true`` (``framework.train.compile``). The
-first step (FLOPs counted under FlopCounterMode) runs eager in both modes; the next one
-compiles, and its wall time is reported as the first-step (compile) time.
+``--compile`` in a worker is ``trainer.compile=true`` (``framework.train.compile``). The first
+step compiles, and its wall time is reported as the first-step (compile) time.
 
     python benchmarks/scaling.py --gpus 1 --layouts none         # eager and compiled, one GPU
     python benchmarks/scaling.py --worker --compile --profile out/   # + a kernel-time table
@@ -125,6 +125,27 @@ def _loss(model, batch, kind: str):
     from recipes.weather.task import mse_loss
 
     return mse_loss(out, y)  # the regression task's
+
+
+def model_flops(args, plain, x_ch: int, io) -> float:
+    """Training FLOPs of one sample of the whole grid (forward + backward): the model's FLOPs,
+    which MFU divides by (a domain layout's halo work is not counted). The SongUNets are counted
+    under FlopCounterMode on a copy built on the meta device, so counting needs no GPU memory:
+    an eager step of the preset's batch does not fit an 80 GB card."""
+    if args.model == "dit":
+        from recipes.stormscope.dit import train_flops
+
+        return train_flops(plain)
+    import torch
+
+    from framework.train import metrics
+
+    with torch.device("meta"):
+        model = build_model(args)[0]
+        one = {"x": torch.empty(1, x_ch, args.height, args.width), "y": torch.empty(1, io[1], args.height, args.width)}
+        if args.model == "diffusion":
+            one.update(sigma=torch.ones(1), noise=torch.empty_like(one["y"]))
+    return float(metrics.count_flops(lambda: _loss(model, one, args.model).backward())[1])
 
 
 def _local_bytes(tensors) -> int:
@@ -443,16 +464,7 @@ def worker(args) -> None:
         from framework.train import metrics
 
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        t0 = time.perf_counter()
-        if args.model == "dit":
-            from recipes.stormscope.dit import train_flops
-
-            flops = train_flops(plain)
-        else:
-            _, flops = metrics.count_flops(lambda: t.train_step(batch))  # this rank's share of one step
-            flops = flops * env.world_size / (b * topo.dp_size)  # per sample, all ranks
-        sync()
-        flop_step_s, first_step_s = time.perf_counter() - t0, None
+        flops, first_step_s = model_flops(args, plain, x_ch, io), None
         for i in range(args.warmup):  # step times on stderr tell a slow start (compiling) from a hang
             t0 = time.perf_counter()
             t.train_step(batch)
@@ -504,7 +516,6 @@ def worker(args) -> None:
             "peak_reserved_gib": (torch.cuda.max_memory_reserved(device) if cuda else 0) / 2**30,
             "warmup_reserved_gib": warm_reserved,  # the peak before the cache was emptied
             "state_gib": (2 * _local_bytes(params) + _local_bytes(state)) / 2**30,
-            "flop_step_s": flop_step_s,
             "first_step_s": first_step_s,
             "precompile_s": precompiled["seconds"] if precompiled else None,
             # what the workers built: a graph the first step builds itself is one they failed or keyed otherwise
@@ -594,7 +605,8 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
         return results[-1]
     err = proc.stderr.splitlines()
     start = next((i for i, ln in enumerate(err) if ln.startswith("Traceback")), max(0, len(err) - 15))
-    raise SystemExit(f"{sharding} on {gpus} GPU(s) failed:\n" + "\n".join(err[start : start + 40]))
+    # the traceback's end: the exception's own line (out of memory, say) comes last
+    raise SystemExit(f"{sharding} on {gpus} GPU(s) failed:\n" + "\n".join(err[max(start, len(err) - 40) :]))
 
 
 def _pct(x) -> str:
