@@ -40,6 +40,18 @@ def test_options_and_entries_match(group):
     assert _names(group) == set(reg.names())
 
 
+@pytest.mark.parametrize("path", sorted((Path(CONF_DIR) / "model").glob("*.yaml")), ids=lambda p: p.stem)
+def test_each_model_file_lists_every_knob_of_its_schema(path):
+    """Every field of a model's schema is in each of its files, so that a documented knob
+    (``model.recompute_norm_levels=[1]`` on the diffusion preset, say) overrides without ``+``."""
+    import dataclasses
+
+    registry.load_providers()
+    node = OmegaConf.load(path)
+    fields = {f.name for f in dataclasses.fields(registry.models.entry(node.name).schema)}
+    assert set(node) == fields, f"missing {sorted(fields - set(node))}, unknown {sorted(set(node) - fields)}"
+
+
 def test_recipes_map_to_tasks():
     registry.load_providers()
     assert _names("recipe") == set(registry.tasks.names())
