@@ -176,7 +176,7 @@ def _variant(text: str) -> dict:
 
 _KERNEL_KINDS = (  # first match wins: Triton kernels are named by the ops they fuse ("transpose", "conv"),
     # cuDNN's transposes live in its namespace, its convolutions are "implicit_gemm"s
-    ("attention", ("flash", "fmha", "attention")),
+    ("attention", ("flash", "fmha", "attention", "_fna_")),  # _fna_: the DiT's fused neighbourhood kernels
     ("group norm (fused Triton)", ("gn_fused",)),
     ("triton (inductor)", ("triton",)),
     ("layout transpose", ("nchwToNhwc", "nhwcToNchw", "nchw2nhwc", "nhwc2nchw", "transpose")),
@@ -188,6 +188,11 @@ _KERNEL_KINDS = (  # first match wins: Triton kernels are named by the ops they 
     ("copy/fill", ("copy", "Memcpy", "Memset", "fill")),
     ("elementwise/reduce (aten)", ("elementwise", "vectorized", "unrolled", "reduce", "Reduce")),
 )
+
+
+def kernel_kind(name: str) -> str:
+    """The profile table's row for a kernel name (``_KERNEL_KINDS``' first match, else "other")."""
+    return next((k for k, keys in _KERNEL_KINDS if any(x in name for x in keys)), "other")
 
 
 def device_kernels(prof) -> list:
@@ -304,7 +309,7 @@ def profile_steps(t, batch, args, device, steps: int = 2) -> dict:
     per = lambda e: getattr(e, "self_device_time_total", 0) / 1e3 / steps  # ms per step
     kinds: dict[str, float] = {}
     for e in kernels:
-        kind = next((k for k, keys in _KERNEL_KINDS if any(x in e.key for x in keys)), "other")
+        kind = kernel_kind(e.key)
         kinds[kind] = kinds.get(kind, 0.0) + per(e)
     ranked = sorted(kernels, key=per, reverse=True)
     top = ranked[:25]
