@@ -146,7 +146,9 @@ class NeighbourhoodAttention(nn.Module):
     """Multi-head 2-D neighbourhood attention on a token grid (B, R, W, D).
 
     ``forward`` is ``attend(*project(x))``; a domain-parallel subclass can fetch halo rows of
-    k/v between the two and tell ``attend`` which global rows each tensor holds.
+    k/v between the two and tell ``attend`` which global rows each tensor holds. (Over the whole
+    grid without rope, the fused kernels take the projection whole instead, so that backward
+    hands its gradient back as one tensor: ``natten.packed_neighbourhood_attention``.)
 
     With ``mask_token`` it owns a learned token (1, 1, D), zero at init, that the block splices
     into its input at invalid positions (``apply_mask_token``) right before ``forward``, so the
@@ -184,10 +186,18 @@ class NeighbourhoodAttention(nn.Module):
             return x
         return torch.where(invalid, self.mask_token.to(x.dtype), x)
 
+    def _projection(self, x: torch.Tensor) -> torch.Tensor:
+        """The qkv projection as (B, R, W, 3, heads, head_dim)."""
+        b, r, w, _ = x.shape
+        return self.qkv(x).view(b, r, w, 3, self.num_heads, self.head_dim)
+
     def project(self, x: torch.Tensor, row_offset: int = 0):
         """q, k, v of shape (B, heads, R, W, head_dim), rope applied at global rows row_offset..."""
-        b, r, w, _ = x.shape
-        q, k, v = self.qkv(x).view(b, r, w, 3, self.num_heads, self.head_dim).permute(3, 0, 4, 1, 2, 5)
+        return self._split(self._projection(x), row_offset)
+
+    def _split(self, qkv: torch.Tensor, row_offset: int = 0):
+        """q, k, v of a (B, R, W, 3, heads, head_dim) projection (views unless rope or flex)."""
+        q, k, v = qkv.permute(3, 0, 4, 1, 2, 5)
         if self.rope is not None:
             q, k = self.rope(q, row_offset), self.rope(k, row_offset)
         if torch.compiler.is_compiling() and natten.resolved_impl(self.impl, q) == "flex":
@@ -211,11 +221,19 @@ class NeighbourhoodAttention(nn.Module):
             kv_row_offset=kv_row_offset,
             grid_rows=grid_rows,
         )
+        return self._merge(o)
+
+    def _merge(self, o: torch.Tensor) -> torch.Tensor:
+        """Heads merged (a free reshape of the attention's token-major output), projected."""
         b, _, r, w, _ = o.shape
         return self.proj(o.permute(0, 2, 3, 1, 4).reshape(b, r, w, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attend(*self.project(x))
+        qkv = self._projection(x)
+        if self.rope is None and natten.takes_packed(self.impl, qkv):
+            # the fused kernels take the projection whole: its gradient comes back as one tensor
+            return self._merge(natten.packed_neighbourhood_attention(qkv, self.kernel))
+        return self.attend(*self._split(qkv))
 
 
 class Mlp(nn.Module):

@@ -580,6 +580,23 @@ def resolved_impl(impl: str, q: torch.Tensor) -> str:
     return "reference" if impl != "reference" and _counting_flops() else impl
 
 
+def takes_packed(impl: str, qkv: torch.Tensor) -> bool:
+    """Whether ``impl`` runs the fused kernels on this (B, rows, cols, 3, heads, d) projection,
+    which then take it whole (``packed_neighbourhood_attention``)."""
+    return resolved_impl(impl, qkv) == "fused" and fused_natten.available(qkv)
+
+
+def packed_neighbourhood_attention(qkv: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Neighbourhood attention over the whole grid of the q, k, v in ``qkv`` (B, rows, cols, 3,
+    heads, d), as the projection leaves it, on the fused kernels (``takes_packed``): the output
+    is ``neighbourhood_attention``'s, and backward writes the projection's gradient as one tensor
+    (no pass stacking dQ, dK and dV into it)."""
+    check_kernel(kernel)
+    if qkv.dim() != 6 or qkv.shape[3] != 3:
+        raise ValueError(f"expected qkv as (B, rows, cols, 3, heads, head_dim); got {tuple(qkv.shape)}")
+    return fused_natten.fused_packed_attention(qkv, kernel)
+
+
 def neighbourhood_attention(
     q,
     k,

@@ -195,6 +195,69 @@ def test_reads_the_projections_views_in_place_and_writes_heads_merged(device):
     torch.testing.assert_close(grad.double().cpu(), ref_grad, atol=2e-5, rtol=0)
 
 
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops dispatched while active (a custom op counts once: its insides run below the mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("atomic", [False, True], ids=["dq-kernel", "atomic-dq"])
+def test_the_packed_projection_computes_what_its_views_do_and_hands_back_one_gradient(device, atomic, monkeypatch):
+    """The DiT's projection (B, rows, cols, 3, heads, d) whole: the output of the q, k, v views'
+    op, bit for bit (the same kernels read the same memory), and its gradient written by the
+    kernels in place, where the views' three gradients are stacked into it by another op."""
+    if atomic:
+        monkeypatch.setitem(fused_natten.TILES, "dkdv", fused_natten.Tiles.parse("8x8/8x8/4/2/atomic"))
+        monkeypatch.setattr(fused_natten, "TILES_FP32", fused_natten.Tiles.parse("8x8/8x8/4/2/atomic"))
+    b, rows, cols, heads, dim = 2, 9, 12, 2, 48
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(b, rows, cols, 3, heads, dim, generator=g).to(device)
+    dy = torch.randn(b, heads, rows, cols, dim, generator=g).to(device)
+    results, backward_ops = [], []
+    for packed in (False, True):
+        leaf = qkv.clone().requires_grad_()
+        if packed:
+            out = natten.packed_neighbourhood_attention(leaf, 5)
+        else:
+            out = fused_natten.fused_neighbourhood_attention(*leaf.permute(3, 0, 4, 1, 2, 5), 5, grid_rows=rows)
+        with _Ops() as seen:
+            (grad,) = torch.autograd.grad(out, leaf, dy)
+        results.append((out, grad))
+        assembling = ("aten.stack", "aten.cat", "aten.copy", "stormscope")
+        backward_ops.append([op for op in seen.ops if op.startswith(assembling)])
+    (want, want_grad), (got, got_grad) = results
+    assert torch.equal(got, want)
+    if atomic:  # (float32 atomic adds: the order, hence the last bits, may vary on a GPU)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(got_grad, want_grad)
+    assert "aten.stack" in backward_ops[0], backward_ops[0]  # the views' gradients, assembled
+    assert backward_ops[1] == ["stormscope.natten_packed_backward"], backward_ops[1]
+
+
+def test_a_packed_projection_of_another_shape_is_refused_by_name():
+    expected = r"expected qkv as \(B, rows, cols, 3, heads, head_dim\); got \(2, 4, 4, 2, 8\)"
+    with pytest.raises(ValueError, match=expected):
+        natten.packed_neighbourhood_attention(torch.zeros(2, 4, 4, 2, 8), 3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_packed_ops_fake_and_autograd_registrations_pass_torchs_checks(device):
+    """torch.library.opcheck: schema, fake (meta) implementation, autograd registration and
+    the op's behaviour under dynamo agree with what the op computes."""
+    qkv = torch.randn(1, 6, 7, 3, 2, 16, generator=torch.Generator().manual_seed(4)).to(device).requires_grad_()
+    torch.library.opcheck(fused_natten.natten_packed_forward, (qkv, 3))
+
+
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
