@@ -40,15 +40,17 @@ BANDWIDTH = 4.8e12  # H200, bytes/s
 
 def _graphs(batch: int, grid: tuple[int, int], hidden: int, heads: int, kernel: int, rope: bool) -> list:
     """The block's forward and backward graphs (AOTAutograd's, as inductor receives them) with
-    their example inputs, traced with fake tensors under bf16 autocast."""
+    their example inputs, traced with fake tensors under bf16 autocast. The block's inputs are
+    bf16, as the DiT's blocks receive them under autocast (the patch embedding's convolution and
+    every block's residual sum are bf16)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from recipes.stormscope.dit import DiTBlock
 
     with FakeTensorMode():
         block = DiTBlock(hidden, heads, 4.0, kernel, rope=rope, impl="fused")
-        x = torch.randn(batch, *grid, hidden, requires_grad=True)
-        c = torch.randn(batch, hidden)
+        x = torch.randn(batch, *grid, hidden, dtype=torch.bfloat16, requires_grad=True)
+        c = torch.randn(batch, hidden, dtype=torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return hopper_lowering.trace_graphs(block, x, c)
 

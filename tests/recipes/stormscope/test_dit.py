@@ -374,7 +374,7 @@ def test_a_compiled_block_for_an_h200_reads_q_k_v_in_place_and_keeps_attention_o
     fused attention is one custom op each way, and no forward kernel copies q, k or v out of the
     projection's output (inductor names a copy's kernel after its ``clone``). Without rope the ops
     take the projection whole, so no backward kernel stacks dQ, dK and dV into its gradient
-    (``select_backward``: 0.76 of the preset block's 7.1 GB of backward traffic); with rope, q and
+    (``select_backward``: 0.76 of the preset block's 6.0 GB of backward traffic); with rope, q and
     k are rotated copies, and the views' op runs."""
     from tests.conftest import benchmark_json
 
