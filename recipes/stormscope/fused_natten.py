@@ -767,8 +767,12 @@ def _backward_into(
     g = _geometry(q, k, kernel, q_row_offset, kv_row_offset, grid_rows)
     dkdv_tiles = _tiles("dkdv", q)
     atomic = _atomic_dq(dkdv_tiles)
-    # (atomic: dQ is summed in float32, in the layout it is handed back in, then copied out)
-    dq = _token_major(q, g.hq, torch.float32).zero_() if atomic else dq_out
+    # (atomic: dQ is summed in float32, into the given tensor where it is float32, else in a
+    # token-major buffer copied out after)
+    if atomic:
+        dq = dq_out.zero_() if dq_out.dtype == torch.float32 else _token_major(q, g.hq, torch.float32).zero_()
+    else:
+        dq = dq_out
     b = q.shape[0]
     sm_scale, qk_scale = _scales(q.shape[-1])
     scalars = (g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale, sm_scale)
@@ -798,7 +802,7 @@ def _backward_into(
             *common, *_strides(dk), *_strides(dq), scalars[0], g.hk, *scalars[1:],
             WIDE=wide, TMA=tma, ATOMIC=atomic, DQ_TMA=dq_tma, **_constants(q, tiles),
         )  # fmt: skip
-    if atomic:
+    if dq is not dq_out:
         dq_out.copy_(dq)
 
 

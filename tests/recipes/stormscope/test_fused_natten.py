@@ -209,14 +209,16 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("atomic", [False, True], ids=["dq-kernel", "atomic-dq"])
-def test_the_packed_projection_computes_what_its_views_do_and_hands_back_one_gradient(device, atomic, monkeypatch):
+@pytest.mark.parametrize("tiles", ["8x8/8x8/4/2", "8x8/8x8/4/2/atomic", "4x8/8x4/4/2/pad/tma/full"])
+def test_the_packed_projection_computes_what_its_views_do_and_hands_back_one_gradient(device, tiles, monkeypatch):
     """The DiT's projection (B, rows, cols, 3, heads, d) whole: the output of the q, k, v views'
     op, bit for bit (the same kernels read the same memory), and its gradient written by the
-    kernels in place, where the views' three gradients are stacked into it by another op."""
-    if atomic:
-        monkeypatch.setitem(fused_natten.TILES, "dkdv", fused_natten.Tiles.parse("8x8/8x8/4/2/atomic"))
-        monkeypatch.setattr(fused_natten, "TILES_FP32", fused_natten.Tiles.parse("8x8/8x8/4/2/atomic"))
+    kernels in place, where the views' three gradients are stacked into it by another op. Also
+    with dQ by atomic adds (into the float32 gradient's dQ view itself), and with the tiles
+    loaded through tensor descriptors (k and v views start heads x d elements into the buffer)."""
+    _set_fp32_tiles(monkeypatch, tiles, device)
+    launched: list = []
+    monkeypatch.setattr(fused_natten, "_fna_backward_dq", _Counted(fused_natten._fna_backward_dq, launched))
     b, rows, cols, heads, dim = 2, 9, 12, 2, 48
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(b, rows, cols, 3, heads, dim, generator=g).to(device)
@@ -234,11 +236,15 @@ def test_the_packed_projection_computes_what_its_views_do_and_hands_back_one_gra
         assembling = ("aten.stack", "aten.cat", "aten.copy", "stormscope")
         backward_ops.append([op for op in seen.ops if op.startswith(assembling)])
     (want, want_grad), (got, got_grad) = results
+    atomic = "atomic" in tiles
+    assert launched == ([] if atomic else ["_fna_backward_dq"] * 2)  # (the dK/dV kernel adds dQ)
     assert torch.equal(got, want)
     if atomic:  # (float32 atomic adds: the order, hence the last bits, may vary on a GPU)
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)
     else:
         assert torch.equal(got_grad, want_grad)
+    want_out = dense_neighbourhood_attention(*qkv.double().permute(3, 0, 4, 1, 2, 5), 5)
+    torch.testing.assert_close(got.double(), want_out, atol=2e-5, rtol=0)
     assert "aten.stack" in backward_ops[0], backward_ops[0]  # the views' gradients, assembled
     assert backward_ops[1] == ["stormscope.natten_packed_backward"], backward_ops[1]
 
@@ -252,10 +258,14 @@ def test_a_packed_projection_of_another_shape_is_refused_by_name():
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_packed_ops_fake_and_autograd_registrations_pass_torchs_checks(device):
-    """torch.library.opcheck: schema, fake (meta) implementation, autograd registration and
-    the op's behaviour under dynamo agree with what the op computes."""
-    qkv = torch.randn(1, 6, 7, 3, 2, 16, generator=torch.Generator().manual_seed(4)).to(device).requires_grad_()
+    """torch.library.opcheck on both ops: schema, fake (meta) implementation, autograd
+    registration and the op's behaviour under dynamo agree with what the op computes."""
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(1, 6, 7, 3, 2, 16, generator=g).to(device).requires_grad_()
     torch.library.opcheck(fused_natten.natten_packed_forward, (qkv, 3))
+    out, lse = fused_natten.natten_packed_forward(qkv.detach(), 3)
+    grad = torch.randn(out.shape, generator=g).to(device)
+    torch.library.opcheck(fused_natten.natten_packed_backward, (grad, qkv.detach(), out, lse, 3))
 
 
 @needs_kernels
@@ -330,7 +340,7 @@ def test_atomic_dq_is_one_backward_kernel_and_deterministic_algorithms_keep_two(
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend, rope", [("aot_eager", False), ("inductor", True)])
+@pytest.mark.parametrize("backend, rope", [("aot_eager", False), ("inductor", False), ("inductor", True)])
 def test_a_compiled_dit_block_has_no_graph_break_and_computes_the_same(device, backend, rope):
     # The kernels are custom ops with a registered backward: dynamo traces a whole DiT block
     # (what trainer.compile compiles; projection, kernels, output projection, MLP) as one graph,
@@ -354,7 +364,7 @@ def test_a_compiled_dit_block_has_no_graph_break_and_computes_the_same(device, b
     torch.testing.assert_close(out, eager_out, **tol)
     for a, b in zip(grads, eager_grads):
         torch.testing.assert_close(a, b, **tol)
-    if not rope:  # q, k, v reach the kernels as views of the projection (no copies), compiled as in eager
+    if not rope:  # the bands' path (project, then attend) still hands q, k, v over as views, compiled too
         q, _, _ = torch.compile(block.attn.project, backend="aot_eager")(x)
         assert q._base is not None
 
