@@ -634,6 +634,17 @@ def _row_stats(like: Tensor, rows: int) -> Tensor:
     return like.new_empty((b, rows, w, heads), dtype=torch.float32).permute(0, 3, 1, 2)
 
 
+def _forward_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward's out and lse for ``q``'s queries: the launch and the fake implementations
+    allocate them here, so the layouts inductor plans by and the kernels write agree."""
+    return _token_major(q, q.shape[2]), _row_stats(q, q.shape[2])
+
+
+def _gradients(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV as ``natten_backward`` returns them (and its fake implementation says)."""
+    return _token_major(q, q.shape[2]), _token_major(k, k.shape[2]), _token_major(k, k.shape[2])
+
+
 def _wide(*tensors: Tensor) -> bool:
     """Some tensor's offsets within one (sample, head) reach 2**31: 64-bit offsets."""
     return any(sum((n - 1) * s for n, s in zip(t.shape[2:], t.stride()[2:])) >= 2**31 for t in tensors)
@@ -706,7 +717,7 @@ def natten_forward(
 def _forward(q: Tensor, k: Tensor, v: Tensor, kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int):
     """The forward kernel's launch (``natten_forward``'s, and the packed op's)."""
     g = _geometry(q, k, kernel, q_row_offset, kv_row_offset, grid_rows)
-    out, lse = _token_major(q, g.hq), _row_stats(q, g.hq)
+    out, lse = _forward_outputs(q)
     tiles = _tiles("fwd", q)
     b = q.shape[0]
     grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
@@ -724,7 +735,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kernel: int, q_row_offset: int, kv
 
 @natten_forward.register_fake
 def _(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows):
-    return _token_major(q, q.shape[2]), _row_stats(q, q.shape[2])
+    return _forward_outputs(q)
 
 
 # Queries per program of the delta kernel: a (64, 64) tile of each input, 8 KiB in 16 bits.
@@ -753,7 +764,7 @@ def natten_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dQ, dK, dV (stored token-major) from the output's gradient and the forward's out and lse."""
     grad, q, k, v, out = (_unit_head_stride(t) for t in (grad, q, k, v, out))
-    dq, dk, dv = _token_major(q, q.shape[2]), _token_major(k, k.shape[2]), _token_major(k, k.shape[2])
+    dq, dk, dv = _gradients(q, k)
     _backward_into(dq, dk, dv, grad, q, k, v, out, lse, kernel, q_row_offset, kv_row_offset, grid_rows)
     return dq, dk, dv
 
@@ -808,7 +819,7 @@ def _backward_into(
 
 @natten_backward.register_fake
 def _(grad, q, k, v, out, lse, kernel, q_row_offset, kv_row_offset, grid_rows):
-    return _token_major(q, q.shape[2]), _token_major(k, k.shape[2]), _token_major(k, k.shape[2])
+    return _gradients(q, k)
 
 
 def _setup_context(ctx, inputs, output):
@@ -849,8 +860,7 @@ def natten_packed_forward(qkv: Tensor, kernel: int) -> tuple[Tensor, Tensor]:
 
 @natten_packed_forward.register_fake
 def _(qkv, kernel):
-    q = _heads(qkv)[0]
-    return _token_major(q, q.shape[2]), _row_stats(q, q.shape[2])
+    return _forward_outputs(_heads(qkv)[0])
 
 
 @torch.library.custom_op("stormscope::natten_packed_backward", mutates_args=())
