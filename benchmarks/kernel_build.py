@@ -137,6 +137,13 @@ def report(kernel, args, kw, arch: int) -> dict:
         "atomics": len(re.findall(r"\b(?:red|atom)\.global", compiled.asm["ptx"])),  # /atomic's dQ adds, by threads
         "bulk_reductions": compiled.asm["ptx"].count("cp.reduce.async.bulk"),  # ... by the copy engine (/tma)
         "async_loads": ttgir.count("async_copy_global_to_local"),  # cp.async, pipelined
+        # cp.async copies under 16 bytes in the PTX (prologue and loop): a per-query value loaded in
+        # the layout its scores use is copied once for every thread that needs it, 4 bytes at a time
+        "narrow_copies": len(
+            re.findall(
+                r"cp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(?:0x[48]|[48])\b", compiled.asm["ptx"]
+            )
+        ),
         "tma_loads": ttgir.count("async_tma_copy_global_to_local"),  # the copy engine's, pipelined
         # Hopper's warp-group MMA, the older per-warp MMA, or none (float32 "ieee" products run on FMAs)
         "tensor_core": "wgmma" if "warp_group_dot" in ttgir else ("mma" if "nvidia_mma" in ttgir else "none"),
@@ -300,7 +307,8 @@ def main(argv=None) -> None:
                 f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled"
                 + (f" ({in_loop} local loads/stores in the loop), " if in_loop else ", ")
                 + f"{r['shared_bytes'] / 1024:>5.1f} KiB shared, "
-                f"{r['async_loads']} async + {r['tma_loads']} TMA loads, {r['tensor_core']}, "
+                f"{r['async_loads']} async + {r['tma_loads']} TMA loads ({r['narrow_copies']} copies under 16 B), "
+                f"{r['tensor_core']}, "
                 f"{r.get('num_warps')} warps, {r.get('num_stages')} stages, "
                 + (f"at most {r['maxnreg']} registers, " if r.get("maxnreg") else "")
                 + (f"{r['atomics']} atomic adds (dQ), " if r["atomics"] else "")

@@ -20,6 +20,13 @@ which run:
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16 --batch 4 \
         --impls flex fused --fused-tiles 8x16/8x8/8/3 8x8/8x8/4/3 dkdv=8x8/8x8/4/2/atomic
 
+``--fused-at REV`` adds a run of the fused kernels as they were at git revision ``REV``
+(``fused@REV``: that revision's ``fused_natten.py``, loaded beside today's), for a kernel change
+measured against its parent in one call:
+
+    python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16 --batch 4 \
+        --impls fused --fused-at HEAD~1
+
 Each row gives the forward alone and forward + backward. ``--best-tiles FILE`` writes the fastest
 fused variants, the forward's by forward time and the backward kernels' by the rest
 (``fwd=SPEC,dq=SPEC,dkdv=SPEC``), which ``benchmarks/scaling.py --attn-tiles @FILE`` then runs
@@ -149,6 +156,31 @@ IMPLS = {
 }
 
 
+_KERNELS_FILE = "recipes/stormscope/fused_natten.py"
+
+
+def fused_at(rev: str):
+    """The fused-kernel module as it was at git revision ``rev`` (our own history: trusted code),
+    loaded beside today's. Its custom ops are registered under a namespace of their own
+    (``stormscope_at_<rev>``): torch.library refuses a second definition of an op's name."""
+    import importlib.util
+    import re
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{rev}:{_KERNELS_FILE}"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    tag = re.sub(r"\W", "_", rev)
+    source = source.replace('"stormscope::', f'"stormscope_at_{tag}::')
+    path = Path(tempfile.mkdtemp()) / f"fused_natten_at_{tag}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_one(a, name) -> None:
     """Child process: measure one implementation, print one RESULT line."""
     device = torch.device(a.device)
@@ -164,6 +196,9 @@ def run_one(a, name) -> None:
         fused_natten.TILES.update(fused_natten.parse_tile_set(tiles))
         if "=" not in tiles:
             fused_natten.TILES_FP32 = fused_natten.Tiles.parse(tiles)  # (--dtype fp32)
+    if name.startswith("fused@"):
+        old = fused_at(name[6:])
+        IMPLS[name] = lambda q, k, v, kernel: old.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=q.shape[2])
     try:
         t, m, f = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
     except Exception as e:  # noqa: BLE001 - OOM shows up as several exception types across devices
@@ -190,6 +225,7 @@ def main(argv=None):
     p.add_argument("--skip-dense", action="store_true", help="skip dense masked attention (O((HW)^2) memory)")
     p.add_argument("--impls", nargs="*", choices=sorted(IMPLS), help="which to run (default: all that run here)")
     p.add_argument("--fused-tiles", nargs="*", type=tile_variant, default=[], help="fused tile variants to add")
+    p.add_argument("--fused-at", nargs="*", default=[], metavar="REV", help="the fused kernels at git revisions too")
     p.add_argument("--best-tiles", type=Path, help="write the fastest fused tiles per kernel here")
     p.add_argument("--only", help=argparse.SUPPRESS)  # internal: the child's job
     a = p.parse_args(argv)
@@ -212,7 +248,7 @@ def main(argv=None):
         print("flex, fused: skipped (no flex_attention backward on CPU; the fused kernels need CUDA)")
         names = [n for n in names if not n.startswith(("flex", "fused"))]
     else:
-        names += [f"fused:{t}" for t in a.fused_tiles]
+        names += [f"fused:{t}" for t in a.fused_tiles] + [f"fused@{rev}" for rev in a.fused_at]
     results = {}
     for name in names:  # one process each: clean peaks, and an OOM (even the kernel's) cannot take us down
         cmd = [sys.executable, __file__, *_strip_lists(argv), "--only", name]
@@ -281,7 +317,7 @@ def _strip_lists(argv: list[str]) -> list[str]:
     """The parent's arguments less the lists that pick runs (a child runs one, named by --only)."""
     out, skipping = [], False
     for x in argv:
-        if x in ("--impls", "--fused-tiles"):
+        if x in ("--impls", "--fused-tiles", "--fused-at"):
             skipping = True
         elif skipping and x.startswith("--"):
             skipping = False

@@ -12,8 +12,9 @@ queries (``QH x QW`` tokens) and loops over 2-D tiles of keys (``KH x KW``) laid
 of the union of its queries' windows, so no block order or block mask exists: a score is kept
 when its key lies in its query's clamped window (four comparisons). Heads of 48 are two products,
 32 and 16 wide, instead of one padded to 64. Backward is FlashAttention-2's: rowsum(dO * O) per
-query first, then one kernel per key tile for dK and dV (over the query tiles whose windows reach
-it) and one per query tile for dQ, from the forward's log-sum-exp. Opt-in (``/atomic`` on its
+query first (written beside the query's log-sum-exp, one record each), then one kernel per key
+tile for dK and dV (over the query tiles whose windows reach it; each key's window test is the
+range of queries that reach it, worked out once) and one per query tile for dQ. Opt-in (``/atomic`` on its
 tiles), the dK/dV kernel adds each query tile's share of dQ to a float32 buffer by atomic adds
 instead (with ``/tma``, the copy engine's bulk reductions), so the scores and their gradients
 are computed once, not twice (FlashAttention-3's way); the order of those additions varies
@@ -126,9 +127,11 @@ class Tiles(NamedTuple):
 # sm90 (benchmarks/kernel_build.py). The fastest of benchmarks/natten.py --best-tiles on an H200
 # (the preset's layer, bf16): the forward with heads padded, TMA loads and the window test
 # skipped on full tiles (1.71 ms against 2.01), the backward as they are (/tma and /full slower).
+# The dQ kernel capped at 128 registers a thread, four programs an SM: Triton 3.6 (torch 2.11)
+# needs 128, Triton 3.9 (torch 2.13) would take 137 and fit three (capped: 126, no spills).
 TILES = {
     "fwd": Tiles(8, 8, 8, 8, split=False, tma=True, full=True),
-    "dq": Tiles(8, 8, 8, 8),
+    "dq": Tiles(8, 8, 8, 8, regs=128),
     "dkdv": Tiles(8, 8, 8, 8),
 }
 # float32 (full-precision products on FMAs, for parity runs): 8 x 8 tiles spill kilobytes of
@@ -205,6 +208,13 @@ if triton is not None:
         return rows * s_r + cols * s_c
 
     @triton.jit
+    def _records(stats_ptr, b, h, st_b, st_h):
+        """Where sample ``b``'s, head ``h``'s (lse, delta) records begin (``_stats``; strides in
+        records). A record at offset ``o`` lies at element ``2 * o``: written so, Triton knows each is
+        8-byte aligned and loads both of its values at once."""
+        return stats_ptr + 2 * (b.to(tl.int64) * st_b + h.to(tl.int64) * st_h)
+
+    @triton.jit
     def _load(base, offs, valid, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
         """A (tokens, head_dim) tile as its two column blocks (the second is the first when D1 == 0)."""
         offs = offs[:, None]
@@ -222,15 +232,17 @@ if triton is not None:
 
     @triton.jit
     def _tile(
-        src, src1, b, h, r, c, rows, cols, valid, s_b, s_h, s_r, s_c,
+        src, src1, b, h, r, c, inner, valid, s_b, s_h, s_r, s_c,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
         TMA: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
-        """The (TH * TW, head_dim) tile of tokens ``rows`` x ``cols`` (corner ``r``, ``c``) of
-        sample ``b``, head ``h``, as two column blocks. With TMA, ``src`` and ``src1`` are tensor
-        descriptors (blocks of D0 and D1 columns): the copy engine computes the addresses and
-        fills what lies outside the tensor with zeros (tokens outside the windows, never scored);
-        else ``src`` is the tensor's pointer, loaded where ``valid``."""
+        """The (TH * TW, head_dim) tile of tokens from corner ``r``, ``c`` of sample ``b``, head
+        ``h``, as two column blocks. With TMA, ``src`` and ``src1`` are tensor descriptors (blocks
+        of D0 and D1 columns): the copy engine computes the addresses and fills what lies outside
+        the tensor with zeros (tokens outside the windows, never scored); else ``src`` is the
+        tensor's pointer, loaded where ``valid``, at the corner's offset plus ``inner`` (each
+        token's offset within a tile, ``_offsets`` of its row and column in the tile: computed
+        once per program, not per tile)."""
         if TMA:  # (an if/else: Triton compiles what follows a return in a static branch)
             x0 = src.load([b, h, r, c, 0]).reshape([TH * TW, D0])
             if D1 > 0:
@@ -238,8 +250,8 @@ if triton is not None:
             else:
                 x1 = x0
         else:
-            base = src + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
-            x0, x1 = _load(base, _offsets(rows, cols, s_r, s_c, WIDE), valid, D, D0, D1)
+            base = src + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h + _offsets(r, c, s_r, s_c, WIDE)
+            x0, x1 = _load(base, inner, valid, D, D0, D1)
         return x0, x1
 
     @triton.jit
@@ -250,26 +262,22 @@ if triton is not None:
 
     @triton.jit
     def _keys_and_values(
-        r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+        r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1, n_r, n_c, k_inner, v_inner,
         sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
         TMA: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
-        """The key tile from global row ``r``, column ``c`` of a query tile's windows, whose union
-        ends at ``hi_r``, ``hi_c``: its keys' rows and columns, and their k and v (two column blocks
-        each)."""
-        n = tl.arange(0, KH * KW)
-        k_r, k_c = r + n // KW, c + n % KW
-        k_in = (k_r < hi_r) & (k_c < hi_c)  # the union's keys lie in the band (natten checks)
+        """k and v (two column blocks each) of the key tile from global row ``r``, column ``c`` of a
+        query tile's windows, whose union ends at ``hi_r``, ``hi_c``; ``n_r``, ``n_c``: each key's
+        row and column in the tile, ``k_inner``, ``v_inner``: its offsets there (``_tile``)."""
+        k_in = (n_r < hi_r - r) & (n_c < hi_c - c)  # the union's keys lie in the band (natten checks)
         k0, k1 = _tile(
-            k_src, k_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sk_b, sk_h, sk_r, sk_c,
-            D, D0, D1, KH, KW, TMA, WIDE,
-        )  # fmt: skip
+            k_src, k_src1, b, h, r - kv_off, c, k_inner, k_in, sk_b, sk_h, sk_r, sk_c, D, D0, D1, KH, KW, TMA, WIDE
+        )
         v0, v1 = _tile(
-            v_src, v_src1, b, h, r - kv_off, c, k_r - kv_off, k_c, k_in, sv_b, sv_h, sv_r, sv_c,
-            D, D0, D1, KH, KW, TMA, WIDE,
-        )  # fmt: skip
-        return k_r, k_c, k0, k1, v0, v1
+            v_src, v_src1, b, h, r - kv_off, c, v_inner, k_in, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE
+        )
+        return k0, k1, v0, v1
 
     @triton.jit
     def _store(base, offs, valid, x0, x1, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, ADD: tl.constexpr):
@@ -301,12 +309,13 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _inside(q_r, q_c, k_r, k_c, span_r, span_c):
-        """Whether the key at (k_r, k_c) lies in the window starting at (q_r, q_c) (broadcast).
-        One unsigned comparison per axis: at head_dim 48 a score's mask costs about as much as
-        its products, so every instruction here counts."""
-        rows = (k_r - q_r).to(tl.uint32, bitcast=True) < span_r
-        return rows & ((k_c - q_c).to(tl.uint32, bitcast=True) < span_c)
+    def _inside(lo_r, lo_c, x_r, x_c, span_r, span_c):
+        """Whether (x_r, x_c) lies in ``[lo_r, lo_r + span_r) x [lo_c, lo_c + span_c)`` (broadcast):
+        a key in a query's window, or a query among those whose windows reach a key. One unsigned
+        comparison per axis: at head_dim 48 a score's mask costs about as much as its products,
+        so every instruction here counts (the callers hoist all they can out of it)."""
+        rows = (x_r - lo_r).to(tl.uint32, bitcast=True) < span_r
+        return rows & ((x_c - lo_c).to(tl.uint32, bitcast=True) < span_c)
 
     @triton.jit
     def _aligned_origin(lo, first_full, hi, floor, T: tl.constexpr):
@@ -397,16 +406,20 @@ if triton is not None:
         m_i = tl.full([QH * QW], float("-inf"), tl.float32)
         l_i = tl.zeros([QH * QW], tl.float32)
         acc0, acc1 = _accumulators(QH * QW, D0, D1)
+        n = tl.arange(0, KH * KW)
+        n_r, n_c = n // KW, n % KW  # each key's place in its tile, and its offsets there:
+        k_inner, v_inner = _offsets(n_r, n_c, sk_r, sk_c, WIDE), _offsets(n_r, n_c, sv_r, sv_c, WIDE)
         key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
         for t in range(0, key_tiles):
             r, c = _tile_at(t, o_r, o_c, tiles_c, KH, KW)
-            k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
-                r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+            k0, k1, v0, v1 = _keys_and_values(
+                r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1, n_r, n_c, k_inner, v_inner,
                 sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)  # unscaled: the scale joins exp2's argument
             if _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
-                inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
+                # (the key at tile place n_r, n_c is in the window from ws_r - r, ws_c - c of the tile)
+                inside = _inside((ws_r - r)[:, None], (ws_c - c)[:, None], n_r[None, :], n_c[None, :], span_r, span_c)
                 s = tl.where(inside, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key of this tile yet
@@ -427,12 +440,13 @@ if triton is not None:
 
     @triton.jit
     def _fna_delta(
-        do_ptr, o_ptr, delta_ptr, sd_b, sd_h, sd_r, sd_c, so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c,
-        hq, w, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, WIDE: tl.constexpr,
+        do_ptr, o_ptr, lse_ptr, stats_ptr, sd_b, sd_h, sd_r, sd_c, so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c,
+        st_b, st_h, st_r, st_c, hq, w, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         """delta = rowsum(dO * O) of T queries of one sample and head, summed in float32 from dO
         and O as they lie (in eager torch that was float32 copies of both, their product and a
-        sum: four passes over 16-bit tensors of the layer's size, 1 ms a layer on an H100)."""
+        sum: four passes over 16-bit tensors of the layer's size, 1 ms a layer on an H100),
+        written with the query's lse as one (lse, delta) record (``_stats``)."""
         n = tl.program_id(0) * T + tl.arange(0, T)
         b, h = tl.program_id(2), tl.program_id(1)
         rows, cols = n // w, n % w
@@ -444,11 +458,14 @@ if triton is not None:
         o = tl.load(o_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + o_offs, mask=mask, other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
-        tl.store(delta_ptr + l_offs, delta, mask=n < hq * w)
+        lse = tl.load(lse_ptr + l_offs, mask=n < hq * w, other=0.0)
+        rec = _records(stats_ptr, b, h, st_b, st_h) + 2 * _offsets(rows, cols, st_r, st_c, WIDE)
+        tl.store(rec, lse, mask=n < hq * w)
+        tl.store(rec + 1, delta, mask=n < hq * w)
 
     @triton.jit
     def _fna_backward_dq(
-        q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+        q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, stats_ptr, dq_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c,
         hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
@@ -464,23 +481,26 @@ if triton is not None:
         q0, q1 = _load(q_ptr + bh_q, _offsets(rows, cols, sq_r, sq_c, WIDE), valid, D, D0, D1)
         do_base = do_ptr + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h
         do0, do1 = _load(do_base, _offsets(rows, cols, sd_r, sd_c, WIDE), valid, D, D0, D1)
-        l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
-        lse = tl.load(lse_ptr + l_offs, mask=valid, other=0.0)
-        delta = tl.load(delta_ptr + l_offs, mask=valid, other=0.0)
+        rec = _records(stats_ptr, b, h, sl_b, sl_h) + 2 * _offsets(rows, cols, sl_r, sl_c, WIDE)
+        lse = tl.load(rec, mask=valid, other=0.0)
+        delta = tl.load(rec + 1, mask=valid, other=0.0)
         dq0, dq1 = _accumulators(QH * QW, D0, D1)
         o_r, o_c = _key_origin(lo_r, hi_r, lo_c, hi_c, kv_off, span_r, span_c, KH, KW, FULL)
+        n = tl.arange(0, KH * KW)
+        n_r, n_c = n // KW, n % KW
+        k_inner, v_inner = _offsets(n_r, n_c, sk_r, sk_c, WIDE), _offsets(n_r, n_c, sv_r, sv_c, WIDE)
         key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
         for t in range(0, key_tiles):
             r, c = _tile_at(t, o_r, o_c, tiles_c, KH, KW)
-            k_r, k_c, k0, k1, v0, v1 = _keys_and_values(
-                r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1,
+            k0, k1, v0, v1 = _keys_and_values(
+                r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1, n_r, n_c, k_inner, v_inner,
                 sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)
             # (padding queries' rows are never stored and reach no other row)
             p = tl.exp2(s * qk_scale - lse[:, None])
             if _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
-                inside = _inside(ws_r[:, None], ws_c[:, None], k_r[None, :], k_c[None, :], span_r, span_c)
+                inside = _inside((ws_r - r)[:, None], (ws_c - c)[:, None], n_r[None, :], n_c[None, :], span_r, span_c)
                 p = tl.where(inside, p, 0.0)
             dp = _products(do0, do1, v0, v1, D1, PRECISION)
             ds = (p * (dp - delta[:, None])).to(k0.dtype)
@@ -493,7 +513,7 @@ if triton is not None:
 
     @triton.jit
     def _fna_backward_dkdv(
-        q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_src, dq_src1,
+        q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, stats_ptr, dk_ptr, dv_ptr, dq_src, dq_src1,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c, sdq_b, sdq_h, sdq_r, sdq_c,
         hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
@@ -522,10 +542,21 @@ if triton is not None:
         hi_r = tl.minimum(_last_query(tl.minimum(r0 + KH, hk) - 1 + kv_off, half, grid_rows, span_r) - q_off + 1, hq)
         lo_c = _first_query(c0, half, span_c)
         hi_c = _last_query(tl.minimum(c0 + KW, w) - 1, half, w, span_c) + 1
-        l_base = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h
         dk0, dk1 = _accumulators(KH * KW, D0, D1)
         dv0, dv1 = _accumulators(KH * KW, D0, D1)
         m = tl.arange(0, QH * QW)
+        m_r, m_c = m // QW, m % QW  # each query's place in its tile, and its offsets there:
+        q_inner, do_inner = _offsets(m_r, m_c, sq_r, sq_c, WIDE), _offsets(m_r, m_c, sd_r, sd_c, WIDE)
+        l_inner = _offsets(m_r, m_c, sl_r, sl_c, WIDE)
+        records = _records(stats_ptr, b, h, sl_b, sl_h)
+        # each key's queries, those whose windows hold it: local rows [f_r, f_r + n_r), columns
+        # [f_c, f_c + n_c) (windows start monotonically); none for padding keys. Per key, not per
+        # query and tile: the window test of a score is then two subtractions and two comparisons.
+        f_r = _first_query(k_r, half, span_r)
+        n_qr = tl.where(k_valid, _last_query(k_r, half, grid_rows, span_r) - f_r + 1, 0)
+        f_r -= q_off
+        f_c = _first_query(k_c, half, span_c)
+        n_qc = _last_query(k_c, half, w, span_c) - f_c + 1
         # the queries whose windows hold the whole key tile, [a_r, b_r] x [a_c, b_c] (local rows):
         # from the first whose window reaches its last key to the last whose window reaches its first
         a_r = _first_query(tl.minimum(r0 + KH, hk) - 1 + kv_off, half, span_r) - q_off
@@ -540,25 +571,23 @@ if triton is not None:
             dq_src = dq_src + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h
         for t in range(0, query_tiles):
             r, c = _tile_at(t, lo_r, lo_c, tiles_c, QH, QW)
-            rows, cols = r + m // QW, c + m % QW
-            q_in = (rows < hi_r) & (cols < hi_c)
+            q_in = (m_r < hi_r - r) & (m_c < hi_c - c)
             # (with TMA, tokens of the query band past the range load: their windows miss the tile)
             q0, q1 = _tile(
-                q_src, q_src1, b, h, r, c, rows, cols, q_in, sq_b, sq_h, sq_r, sq_c, D, D0, D1, QH, QW, TMA, WIDE
+                q_src, q_src1, b, h, r, c, q_inner, q_in, sq_b, sq_h, sq_r, sq_c, D, D0, D1, QH, QW, TMA, WIDE
             )
             do0, do1 = _tile(
-                do_src, do_src1, b, h, r, c, rows, cols, q_in, sd_b, sd_h, sd_r, sd_c, D, D0, D1, QH, QW, TMA, WIDE
+                do_src, do_src1, b, h, r, c, do_inner, q_in, sd_b, sd_h, sd_r, sd_c, D, D0, D1, QH, QW, TMA, WIDE
             )
-            l_offs = l_base + _offsets(rows, cols, sl_r, sl_c, WIDE)
-            lse = tl.load(lse_ptr + l_offs, mask=q_in, other=0.0)
-            delta = tl.load(delta_ptr + l_offs, mask=q_in, other=0.0)
-            ws_r = _window_start(rows + q_off, half, grid_rows, span_r)
-            ws_c = _window_start(cols, half, w, span_c)
+            rec = records + 2 * (_offsets(r, c, sl_r, sl_c, WIDE) + l_inner)
+            both = tl.load(rec[:, None] + tl.arange(0, 2)[None, :], mask=q_in[:, None], other=0.0)
+            lse, delta = tl.split(both)  # (one 8-byte load a query: half the loads, and their addresses)
             # (queries not loaded are zeros with lse = delta = 0: they add nothing, window or not)
             s = _products(k0, k1, q0, q1, D1, PRECISION)  # (keys, queries)
             p = tl.exp2(s * qk_scale - lse[None, :])
             if _query_tile_partial(r, c, a_r, b_r, a_c, b_c, QH, QW, FULL):
-                inside = _inside(ws_r[None, :], ws_c[None, :], k_r[:, None], k_c[:, None], span_r, span_c)
+                inside = _inside((f_r - r)[:, None], (f_c - c)[:, None], m_r[None, :], m_c[None, :],
+                                 n_qr[:, None], n_qc[:, None])  # fmt: skip
                 p = tl.where(inside, p, 0.0)
             dp = _products(v0, v1, do0, do1, D1, PRECISION)
             ds = (p * (dp - delta[None, :])).to(q0.dtype)
@@ -580,7 +609,8 @@ if triton is not None:
                     if D1 > 0:
                         dq_src1.atomic_add([b, h, r, c, D0], dq1.reshape([1, 1, QH, QW, D1]))
                 else:
-                    _store(dq_src, _offsets(rows, cols, sdq_r, sdq_c, WIDE), q_in, dq0, dq1, D, D0, D1, True)
+                    dq_offs = _offsets(r, c, sdq_r, sdq_c, WIDE) + _offsets(m_r, m_c, sdq_r, sdq_c, WIDE)
+                    _store(dq_src, dq_offs, q_in, dq0, dq1, D, D0, D1, True)
         offs = _offsets(k_rows, k_c, sg_r, sg_c, WIDE)
         bh_g = b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
         _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1, False)
@@ -742,19 +772,30 @@ def _(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows):
 _DELTA_TOKENS = 64
 
 
-def _row_sums(grad: Tensor, out: Tensor, lse: Tensor, wide: bool) -> Tensor:
-    """delta = rowsum(dO * O) in float32, laid out as ``lse`` is (the kernels index both with lse's
-    strides; lse may come back from a saved-tensor hook in another layout than the forward made);
-    ``wide``: 64-bit offsets (the backward's choice, which covers grad, out and lse)."""
+def _stats(like: Tensor) -> Tensor:
+    """Float32 (B, heads, Hq, W, 2): each query's (lse, delta) as one record, stored token-major.
+    The dK/dV kernel reads both for every query tile of its loop; as one 8-byte load each, not two
+    loads from two tensors, its loop issues 16 fewer loads a thread (and their address arithmetic)."""
+    b, heads, hq, w, _ = like.shape
+    return like.new_empty((b, hq, w, heads, 2), dtype=torch.float32).permute(0, 3, 1, 2, 4)
+
+
+def _record_strides(stats: Tensor) -> tuple[int, int, int, int]:
+    """``stats``' strides along batch, head, row, column, in records (``_records``)."""
+    return tuple(s // 2 for s in stats.stride()[:4])  # type: ignore[return-value]
+
+
+def _row_sums(grad: Tensor, out: Tensor, lse: Tensor, stats: Tensor, wide: bool) -> None:
+    """delta = rowsum(dO * O) in float32, written into ``stats`` (``_stats``) beside each query's
+    lse (read with lse's strides: lse may come back from a saved-tensor hook in another layout
+    than the forward made); ``wide``: 64-bit offsets (the backward's choice, which covers all)."""
     b, heads, hq, w, d = grad.shape
-    delta = torch.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=lse.device)
     grid = (triton.cdiv(hq * w, _DELTA_TOKENS), heads, b)
     with _device_of(grad):
         _fna_delta[grid](
-            grad, out, delta, *_strides(grad), *_strides(out), *_strides(delta), hq, w,
+            grad, out, lse, stats, *_strides(grad), *_strides(out), *_strides(lse), *_record_strides(stats), hq, w,
             D=d, DP=max(16, triton.next_power_of_2(d)), T=_DELTA_TOKENS, WIDE=wide,
         )  # fmt: skip
-    return delta
 
 
 @torch.library.custom_op("stormscope::natten_backward", mutates_args=())
@@ -787,9 +828,10 @@ def _backward_into(
     b = q.shape[0]
     sm_scale, qk_scale = _scales(q.shape[-1])
     scalars = (g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale, sm_scale)
-    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(lse))
-    wide = _wide(grad, q, k, v, out, dq, dk, lse)
-    delta = _row_sums(grad, out, lse, wide)
+    stats = _stats(grad)
+    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_record_strides(stats))
+    wide = _wide(grad, q, k, v, out, dq, dk, lse, stats)
+    _row_sums(grad, out, lse, stats, wide)
     if not atomic:
         tiles = _tiles("dq", q)
         grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
@@ -797,7 +839,7 @@ def _backward_into(
         sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
         with _device_of(q):
             _fna_backward_dq[grid](
-                q, *sources, grad, lse, delta, dq, *common, *_strides(dq), *scalars, WIDE=wide, TMA=tma,
+                q, *sources, grad, stats, dq, *common, *_strides(dq), *scalars, WIDE=wide, TMA=tma,
                 **_constants(q, tiles),
             )  # fmt: skip
     tiles = dkdv_tiles
@@ -809,7 +851,7 @@ def _backward_into(
     dq_tma = atomic and tma and not _interpreted() and _tma_aligned(dq)
     with _device_of(q):
         _fna_backward_dkdv[grid](
-            *q_sources, k, v, *grad_sources, lse, delta, dk, dv, *_sources(dq, tiles.qh, tiles.qw, tiles, dq_tma),
+            *q_sources, k, v, *grad_sources, stats, dk, dv, *_sources(dq, tiles.qh, tiles.qw, tiles, dq_tma),
             *common, *_strides(dk), *_strides(dq), scalars[0], g.hk, *scalars[1:],
             WIDE=wide, TMA=tma, ATOMIC=atomic, DQ_TMA=dq_tma, **_constants(q, tiles),
         )  # fmt: skip

@@ -9,6 +9,7 @@ does). The ``gpu`` tests run them compiled on CUDA.
 from __future__ import annotations
 
 import os
+import subprocess
 import warnings
 
 import pytest
@@ -104,6 +105,52 @@ def test_every_tile_shape_computes_the_same(device, tiles, monkeypatch):
         return fused_natten.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=rows)
 
     _close(_values_and_grads(fused, *(t.float().to(device) for t in (q, k, v, dy))), want, atol=2e-5)
+
+
+# The kernels before their loops' integer work was cut (the window test per key, offsets per
+# program, the (lse, delta) record): the same arithmetic, so the same bits.
+_BEFORE_THE_INTEGER_CUT = "e498b67"
+
+
+def _revision_present(rev: str) -> bool:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    found = subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=root, capture_output=True)
+    return found.returncode == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_kernels_compute_what_they_computed_before_a_rewrite_bit_for_bit(device):
+    # benchmarks/natten.py --fused-at REV loads an earlier revision's kernels beside today's (its
+    # ops in a namespace of their own). A rewrite that only moves integer work keeps every bit of
+    # the outputs and gradients, on a whole grid with the packed projection and on a band.
+    if not _revision_present(_BEFORE_THE_INTEGER_CUT):
+        pytest.skip(f"this checkout lacks {_BEFORE_THE_INTEGER_CUT} (a shallow clone?)")
+    from benchmarks.natten import fused_at
+
+    before = fused_at(_BEFORE_THE_INTEGER_CUT)
+    assert before.natten_forward._qualname != fused_natten.natten_forward._qualname  # both registered
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(1, 13, 21, 3, 2, 48, generator=g).to(device, torch.bfloat16)
+    dy = torch.randn(1, 2, 13, 21, 48, generator=g).to(device, torch.bfloat16)
+    for module in (before, fused_natten):
+        leaf = qkv.clone().requires_grad_()
+        out = module.fused_packed_attention(leaf, 7)
+        out.backward(dy)
+        if module is before:
+            want = (out, leaf.grad)
+    torch.testing.assert_close((out, leaf.grad), want, atol=0, rtol=0)
+    q, k, v = (t.float() for t in qkv.permute(3, 0, 4, 1, 2, 5).unbind(0))
+    lo, hi = kv_rows_needed(4, 9, 7, 13)
+
+    def band(module):
+        return lambda qb, kb, vb: module.fused_neighbourhood_attention(
+            qb, kb, vb, 7, q_row_offset=4, kv_row_offset=lo, grid_rows=13
+        )
+
+    inputs = (q[:, :, 4:9], k[:, :, lo:hi], v[:, :, lo:hi], dy[:, :, 4:9].float())
+    got, want = (_values_and_grads(band(m), *inputs) for m in (fused_natten, before))
+    _close(got, want, atol=0)
 
 
 @needs_kernels
@@ -591,6 +638,24 @@ def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_co
             assert r["full_tile_instructions_per_score"] < 0.9 * r["instructions_per_score"], r
         else:
             assert r["full_tile_instructions_per_score"] == r["instructions_per_score"], r
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
+@pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
+def test_the_backward_loops_read_each_querys_statistics_once_and_dq_keeps_four_programs_an_sm():
+    # The dK/dV kernel's loop needs each query's lse and delta. Loaded from two tensors in the layout
+    # of the (keys, queries) scores, Triton 3.6 (torch 2.11's) copied them 4 bytes at a time for
+    # every thread that uses them: 32 copies a thread and tile, and their addresses (ncu on an H100:
+    # 38 of the loop's 754 instructions, 350 of them integer). As one (lse, delta) record they are
+    # one copy a thread; the dQ kernel's cap keeps it at 128 registers (four programs an SM).
+    from benchmarks import kernel_build
+
+    calls = kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16)
+    (dq, _, dq_args, dq_kw), (dkdv, _, args, kw) = calls[-2:]
+    r = kernel_build.report(dkdv, args, kw, 90)
+    assert dkdv.__name__ == "_fna_backward_dkdv" and r["narrow_copies"] <= kw["num_stages"], r
+    r = kernel_build.report(dq, dq_args, dq_kw, 90)
+    assert dq.__name__ == "_fna_backward_dq" and r["registers"] <= 128 and r["spill_bytes"] == 0, r
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
