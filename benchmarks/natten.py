@@ -21,8 +21,9 @@ which run:
         --impls flex fused --fused-tiles 8x16/8x8/8/3 8x8/8x8/4/3 dkdv=8x8/8x8/4/2/atomic
 
 ``--fused-at REV`` adds a run of the fused kernels as they were at git revision ``REV``
-(``fused@REV``: that revision's ``fused_natten.py``, loaded beside today's), for a kernel change
-measured against its parent in one call:
+(``fused@REV``: that revision's ``fused_natten.py``, loaded beside today's; or REV names a copy
+of that file, where the checkout has no git history), for a kernel change measured against its
+parent in one call:
 
     python benchmarks/natten.py --device cuda --grid 128 160 --kernel 31 --dtype bf16 --batch 4 \
         --impls fused --fused-at HEAD~1
@@ -160,17 +161,21 @@ _KERNELS_FILE = "recipes/stormscope/fused_natten.py"
 
 
 def fused_at(rev: str):
-    """The fused-kernel module as it was at git revision ``rev`` (our own history: trusted code),
-    loaded beside today's. Its custom ops are registered under a namespace of their own
+    """The fused-kernel module as it was at git revision ``rev``, or as the file ``rev`` holds (a
+    copy of it, where no git history is at hand: the GPU machine's checkout); our own code, so
+    trusted. Loaded beside today's, its custom ops registered under a namespace of their own
     (``stormscope_at_<rev>``): torch.library refuses a second definition of an op's name."""
     import importlib.util
     import re
     import tempfile
 
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(
-        ["git", "show", f"{rev}:{_KERNELS_FILE}"], cwd=root, capture_output=True, text=True, check=True
-    ).stdout
+    if Path(rev).is_file():
+        source = Path(rev).read_text()
+    else:
+        source = subprocess.run(
+            ["git", "show", f"{rev}:{_KERNELS_FILE}"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout
     tag = re.sub(r"\W", "_", rev)
     source = source.replace('"stormscope::', f'"stormscope_at_{tag}::')
     path = Path(tempfile.mkdtemp()) / f"fused_natten_at_{tag}.py"
@@ -225,7 +230,7 @@ def main(argv=None):
     p.add_argument("--skip-dense", action="store_true", help="skip dense masked attention (O((HW)^2) memory)")
     p.add_argument("--impls", nargs="*", choices=sorted(IMPLS), help="which to run (default: all that run here)")
     p.add_argument("--fused-tiles", nargs="*", type=tile_variant, default=[], help="fused tile variants to add")
-    p.add_argument("--fused-at", nargs="*", default=[], metavar="REV", help="the fused kernels at git revisions too")
+    p.add_argument("--fused-at", nargs="*", default=[], metavar="REV", help="fused kernels of git revisions, or files")
     p.add_argument("--best-tiles", type=Path, help="write the fastest fused tiles per kernel here")
     p.add_argument("--only", help=argparse.SUPPRESS)  # internal: the child's job
     a = p.parse_args(argv)

@@ -153,6 +153,17 @@ def test_the_kernels_compute_what_they_computed_before_a_rewrite_bit_for_bit(dev
     _close(got, want, atol=0)
 
 
+def test_the_benchmarks_kernels_of_another_revision_load_from_a_copy_of_their_file(tmp_path):
+    # The GPU machine's checkout has no git history: --fused-at then names a copy of the file
+    from benchmarks.natten import fused_at
+
+    copy = tmp_path / "fused_natten_then.py"
+    copy.write_text(open(fused_natten.__file__).read())
+    then = fused_at(str(copy))
+    assert then.__file__ != fused_natten.__file__ and then.TILES == fused_natten.TILES
+    assert then.natten_forward._qualname.startswith("stormscope_at_") and hasattr(then, "fused_packed_attention")
+
+
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_bands_with_halos_equal_the_rows_of_the_whole_grid(device):
