@@ -14,11 +14,12 @@ when its key lies in its query's clamped window (four comparisons). Heads of 48 
 32 and 16 wide, instead of one padded to 64. Backward is FlashAttention-2's: rowsum(dO * O) per
 query first (written beside the query's log-sum-exp, one record each), then one kernel per key
 tile for dK and dV (over the query tiles whose windows reach it; each key's window test is the
-range of queries that reach it, worked out once) and one per query tile for dQ. Opt-in (``/atomic`` on its
-tiles), the dK/dV kernel adds each query tile's share of dQ to a float32 buffer by atomic adds
-instead (with ``/tma``, the copy engine's bulk reductions), so the scores and their gradients
-are computed once, not twice (FlashAttention-3's way); the order of those additions varies
-between runs, so torch's deterministic algorithms (``deterministic=true``) keep two kernels.
+range of queries that reach it, worked out once) and one per query tile for dQ. Opt-in
+(``/atomic`` on its tiles), the dK/dV kernel adds each query tile's share of dQ to a float32
+buffer by atomic adds instead (with ``/tma``, the copy engine's bulk reductions), so the scores
+and their gradients are computed once, not twice (FlashAttention-3's way); the order of those
+additions varies between runs, so torch's deterministic algorithms (``deterministic=true``) keep
+two kernels.
 
 Same semantics as ``natten``: NATTEN's clamped windows, bands of rows with global offsets for
 domain parallelism (the queries' windows must lie in the key band, which ``natten`` checks).
