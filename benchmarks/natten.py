@@ -177,6 +177,9 @@ def fused_at(rev: str):
             ["git", "show", f"{rev}:{_KERNELS_FILE}"], cwd=root, capture_output=True, text=True, check=True
         ).stdout
     tag = re.sub(r"\W", "_", rev)
+    if source.count('"stormscope::') == 0 or "torch.ops.stormscope." in source:
+        # (renamed, its ops must be its own: one it calls through torch.ops would be today's)
+        raise ValueError(f"{rev}: its custom ops are not all named as '\"stormscope::NAME\"' strings")
     source = source.replace('"stormscope::', f'"stormscope_at_{tag}::')
     path = Path(tempfile.mkdtemp()) / f"fused_natten_at_{tag}.py"
     path.write_text(source)
@@ -196,14 +199,14 @@ def run_one(a, name) -> None:
         torch.randn(a.batch, a.heads, *a.grid, a.head_dim, device=device, dtype=DTYPES[a.dtype], requires_grad=True)
         for _ in range(3)
     )
-    if ":" in name:  # fused:SPEC or fused:fwd=SPEC,dq=SPEC,dkdv=SPEC (some of them)
+    if name.startswith("fused@"):  # (first: a path may hold a colon)
+        old = fused_at(name[6:])
+        IMPLS[name] = lambda q, k, v, kernel: old.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=q.shape[2])
+    elif ":" in name:  # fused:SPEC or fused:fwd=SPEC,dq=SPEC,dkdv=SPEC (some of them)
         name, tiles = name.split(":", 1)
         fused_natten.TILES.update(fused_natten.parse_tile_set(tiles))
         if "=" not in tiles:
             fused_natten.TILES_FP32 = fused_natten.Tiles.parse(tiles)  # (--dtype fp32)
-    if name.startswith("fused@"):
-        old = fused_at(name[6:])
-        IMPLS[name] = lambda q, k, v, kernel: old.fused_neighbourhood_attention(q, k, v, kernel, grid_rows=q.shape[2])
     try:
         t, m, f = measure(IMPLS[name], q, k, v, a.kernel, a.iters, a.warmup)
     except Exception as e:  # noqa: BLE001 - OOM shows up as several exception types across devices

@@ -128,8 +128,11 @@ class Tiles(NamedTuple):
 # sm90 (benchmarks/kernel_build.py). The fastest of benchmarks/natten.py --best-tiles on an H200
 # (the preset's layer, bf16): the forward with heads padded, TMA loads and the window test
 # skipped on full tiles (1.71 ms against 2.01), the backward as they are (/tma and /full slower).
-# The dQ kernel capped at 128 registers a thread, four programs an SM: Triton 3.6 (torch 2.11)
-# needs 128, Triton 3.9 (torch 2.13) would take 137 and fit three (capped: 126, no spills).
+# The dQ kernel capped at 128 registers a thread, four programs an SM: its loop keeps each key's
+# offsets within a tile live (computed once, not per tile), which took it from 122 to 137
+# registers under Triton 3.9 (torch 2.13), three programs an SM; capped, 126 and no spills. The
+# cap costs ptxas's schedule some instructions (loop SASS a thread, Triton 3.9: 435 -> 451; 3.6,
+# which needs 128 registers either way: 413 -> 432), still under the 464 and 444 before.
 TILES = {
     "fwd": Tiles(8, 8, 8, 8, split=False, tma=True, full=True),
     "dq": Tiles(8, 8, 8, 8, regs=128),
@@ -310,13 +313,13 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _inside(lo_r, lo_c, x_r, x_c, span_r, span_c):
-        """Whether (x_r, x_c) lies in ``[lo_r, lo_r + span_r) x [lo_c, lo_c + span_c)`` (broadcast):
+    def _inside(lo_r, lo_c, x_r, x_c, len_r, len_c):
+        """Whether (x_r, x_c) lies in ``[lo_r, lo_r + len_r) x [lo_c, lo_c + len_c)`` (broadcast):
         a key in a query's window, or a query among those whose windows reach a key. One unsigned
         comparison per axis: at head_dim 48 a score's mask costs about as much as its products,
         so every instruction here counts (the callers hoist all they can out of it)."""
-        rows = (x_r - lo_r).to(tl.uint32, bitcast=True) < span_r
-        return rows & ((x_c - lo_c).to(tl.uint32, bitcast=True) < span_c)
+        rows = (x_r - lo_r).to(tl.uint32, bitcast=True) < len_r
+        return rows & ((x_c - lo_c).to(tl.uint32, bitcast=True) < len_c)
 
     @triton.jit
     def _aligned_origin(lo, first_full, hi, floor, T: tl.constexpr):
@@ -468,7 +471,7 @@ if triton is not None:
     def _fna_backward_dq(
         q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, stats_ptr, dq_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
-        sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c,
+        sd_b, sd_h, sd_r, sd_c, st_b, st_h, st_r, st_c, sg_b, sg_h, sg_r, sg_c,
         hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
@@ -482,7 +485,7 @@ if triton is not None:
         q0, q1 = _load(q_ptr + bh_q, _offsets(rows, cols, sq_r, sq_c, WIDE), valid, D, D0, D1)
         do_base = do_ptr + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h
         do0, do1 = _load(do_base, _offsets(rows, cols, sd_r, sd_c, WIDE), valid, D, D0, D1)
-        rec = _records(stats_ptr, b, h, sl_b, sl_h) + 2 * _offsets(rows, cols, sl_r, sl_c, WIDE)
+        rec = _records(stats_ptr, b, h, st_b, st_h) + 2 * _offsets(rows, cols, st_r, st_c, WIDE)
         lse = tl.load(rec, mask=valid, other=0.0)
         delta = tl.load(rec + 1, mask=valid, other=0.0)
         dq0, dq1 = _accumulators(QH * QW, D0, D1)
@@ -516,7 +519,7 @@ if triton is not None:
     def _fna_backward_dkdv(
         q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, stats_ptr, dk_ptr, dv_ptr, dq_src, dq_src1,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
-        sd_b, sd_h, sd_r, sd_c, sl_b, sl_h, sl_r, sl_c, sg_b, sg_h, sg_r, sg_c, sdq_b, sdq_h, sdq_r, sdq_c,
+        sd_b, sd_h, sd_r, sd_c, st_b, st_h, st_r, st_c, sg_b, sg_h, sg_r, sg_c, sdq_b, sdq_h, sdq_r, sdq_c,
         hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
@@ -548,16 +551,19 @@ if triton is not None:
         m = tl.arange(0, QH * QW)
         m_r, m_c = m // QW, m % QW  # each query's place in its tile, and its offsets there:
         q_inner, do_inner = _offsets(m_r, m_c, sq_r, sq_c, WIDE), _offsets(m_r, m_c, sd_r, sd_c, WIDE)
-        l_inner = _offsets(m_r, m_c, sl_r, sl_c, WIDE)
-        records = _records(stats_ptr, b, h, sl_b, sl_h)
-        # each key's queries, those whose windows hold it: local rows [f_r, f_r + n_r), columns
-        # [f_c, f_c + n_c) (windows start monotonically); none for padding keys. Per key, not per
-        # query and tile: the window test of a score is then two subtractions and two comparisons.
-        f_r = _first_query(k_r, half, span_r)
-        n_qr = tl.where(k_valid, _last_query(k_r, half, grid_rows, span_r) - f_r + 1, 0)
-        f_r -= q_off
-        f_c = _first_query(k_c, half, span_c)
-        n_qc = _last_query(k_c, half, w, span_c) - f_c + 1
+        l_inner = _offsets(m_r, m_c, st_r, st_c, WIDE)
+        dq_inner = _offsets(m_r, m_c, sdq_r, sdq_c, WIDE)  # (/atomic's adds; unused otherwise)
+        records = _records(stats_ptr, b, h, st_b, st_h)
+        # each key's queries, those whose windows hold it: local rows [qf_r, qf_r + qn_r), columns
+        # [qf_c, qf_c + qn_c) (windows start monotonically). Per key, not per query and tile: the
+        # window test of a score is then two subtractions and two comparisons. (Padding keys get
+        # none: their k and v load as zeros and their dK, dV are never stored, so this is only
+        # insurance against a score of theirs reaching a sum.)
+        first_r = _first_query(k_r, half, span_r)  # global rows
+        qn_r = tl.where(k_valid, _last_query(k_r, half, grid_rows, span_r) - first_r + 1, 0)
+        qf_r = first_r - q_off  # local rows of the query band
+        qf_c = _first_query(k_c, half, span_c)
+        qn_c = _last_query(k_c, half, w, span_c) - qf_c + 1
         # the queries whose windows hold the whole key tile, [a_r, b_r] x [a_c, b_c] (local rows):
         # from the first whose window reaches its last key to the last whose window reaches its first
         a_r = _first_query(tl.minimum(r0 + KH, hk) - 1 + kv_off, half, span_r) - q_off
@@ -580,15 +586,15 @@ if triton is not None:
             do0, do1 = _tile(
                 do_src, do_src1, b, h, r, c, do_inner, q_in, sd_b, sd_h, sd_r, sd_c, D, D0, D1, QH, QW, TMA, WIDE
             )
-            rec = records + 2 * (_offsets(r, c, sl_r, sl_c, WIDE) + l_inner)
+            rec = records + 2 * (_offsets(r, c, st_r, st_c, WIDE) + l_inner)
             both = tl.load(rec[:, None] + tl.arange(0, 2)[None, :], mask=q_in[:, None], other=0.0)
             lse, delta = tl.split(both)  # (one 8-byte load a query: half the loads, and their addresses)
             # (queries not loaded are zeros with lse = delta = 0: they add nothing, window or not)
             s = _products(k0, k1, q0, q1, D1, PRECISION)  # (keys, queries)
             p = tl.exp2(s * qk_scale - lse[None, :])
             if _query_tile_partial(r, c, a_r, b_r, a_c, b_c, QH, QW, FULL):
-                inside = _inside((f_r - r)[:, None], (f_c - c)[:, None], m_r[None, :], m_c[None, :],
-                                 n_qr[:, None], n_qc[:, None])  # fmt: skip
+                inside = _inside((qf_r - r)[:, None], (qf_c - c)[:, None], m_r[None, :], m_c[None, :],
+                                 qn_r[:, None], qn_c[:, None])  # fmt: skip
                 p = tl.where(inside, p, 0.0)
             dp = _products(v0, v1, do0, do1, D1, PRECISION)
             ds = (p * (dp - delta[None, :])).to(q0.dtype)
@@ -610,8 +616,7 @@ if triton is not None:
                     if D1 > 0:
                         dq_src1.atomic_add([b, h, r, c, D0], dq1.reshape([1, 1, QH, QW, D1]))
                 else:
-                    dq_offs = _offsets(r, c, sdq_r, sdq_c, WIDE) + _offsets(m_r, m_c, sdq_r, sdq_c, WIDE)
-                    _store(dq_src, dq_offs, q_in, dq0, dq1, D, D0, D1, True)
+                    _store(dq_src + _offsets(r, c, sdq_r, sdq_c, WIDE), dq_inner, q_in, dq0, dq1, D, D0, D1, True)
         offs = _offsets(k_rows, k_c, sg_r, sg_c, WIDE)
         bh_g = b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
         _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1, False)

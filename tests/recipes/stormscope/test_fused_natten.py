@@ -108,11 +108,14 @@ def test_every_tile_shape_computes_the_same(device, tiles, monkeypatch):
 
 
 # The kernels before their loops' integer work was cut (the window test per key, offsets per
-# program, the (lse, delta) record): the same arithmetic, so the same bits.
-_BEFORE_THE_INTEGER_CUT = "e498b67"
+# program, the (lse, delta) record): the same arithmetic, so the same bits. Where the checkout has
+# no git history (the GPU machine's), FRAMEWORK_KERNELS_BEFORE names a copy of that revision's file.
+_BEFORE_THE_INTEGER_CUT = os.environ.get("FRAMEWORK_KERNELS_BEFORE", "e498b67")
 
 
 def _revision_present(rev: str) -> bool:
+    if os.path.isfile(rev):
+        return True
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     found = subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=root, capture_output=True)
     return found.returncode == 0
@@ -120,16 +123,25 @@ def _revision_present(rev: str) -> bool:
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_kernels_compute_what_they_computed_before_a_rewrite_bit_for_bit(device):
+@pytest.mark.parametrize("tiles", [None, "8x8/8x8/4/2/pad/tma/full"])
+def test_the_kernels_compute_what_they_computed_before_a_rewrite_bit_for_bit(device, tiles, monkeypatch):
     # benchmarks/natten.py --fused-at REV loads an earlier revision's kernels beside today's (its
     # ops in a namespace of their own). A rewrite that only moves integer work keeps every bit of
-    # the outputs and gradients, on a whole grid with the packed projection and on a band.
+    # the outputs and gradients, on a whole grid with the packed projection and on a band; with
+    # the defaults, and with every kernel on descriptor loads and the window test skipped on full
+    # tiles (deterministic options only: atomic dQ's sums vary in order on a GPU).
     if not _revision_present(_BEFORE_THE_INTEGER_CUT):
-        pytest.skip(f"this checkout lacks {_BEFORE_THE_INTEGER_CUT} (a shallow clone?)")
+        pytest.skip(f"this checkout lacks {_BEFORE_THE_INTEGER_CUT} (a shallow clone? FRAMEWORK_KERNELS_BEFORE)")
+    if tiles and "tma" in tiles and fused_natten._TensorDescriptor is None:
+        pytest.skip("this Triton has no tensor descriptors")
     from benchmarks.natten import fused_at
 
     before = fused_at(_BEFORE_THE_INTEGER_CUT)
     assert before.natten_forward._qualname != fused_natten.natten_forward._qualname  # both registered
+    if tiles:
+        for module in (before, fused_natten):
+            monkeypatch.setattr(module, "TILES", dict.fromkeys(module.TILES, module.Tiles.parse(tiles)))
+            monkeypatch.setattr(module, "TILES_FP32", module.Tiles.parse(tiles))
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(1, 13, 21, 3, 2, 48, generator=g).to(device, torch.bfloat16)
     dy = torch.randn(1, 2, 13, 21, 48, generator=g).to(device, torch.bfloat16)
@@ -154,14 +166,23 @@ def test_the_kernels_compute_what_they_computed_before_a_rewrite_bit_for_bit(dev
 
 
 def test_the_benchmarks_kernels_of_another_revision_load_from_a_copy_of_their_file(tmp_path):
-    # The GPU machine's checkout has no git history: --fused-at then names a copy of the file
-    from benchmarks.natten import fused_at
+    # The GPU machine's checkout has no git history: --fused-at then names a copy of the file. Its
+    # ops are renamed; a file that would call an op through torch.ops (today's, after the rename)
+    # is refused, and the runs' list of revisions is not handed to the one-run children.
+    from benchmarks.natten import _strip_lists, fused_at
 
+    source = open(fused_natten.__file__).read()
     copy = tmp_path / "fused_natten_then.py"
-    copy.write_text(open(fused_natten.__file__).read())
+    copy.write_text(source)
     then = fused_at(str(copy))
     assert then.__file__ != fused_natten.__file__ and then.TILES == fused_natten.TILES
     assert then.natten_forward._qualname.startswith("stormscope_at_") and hasattr(then, "fused_packed_attention")
+    calling = tmp_path / "calls_through_torch_ops.py"
+    calling.write_text(source + "\n_op = torch.ops.stormscope.natten_forward\n")
+    with pytest.raises(ValueError, match="custom ops"):
+        fused_at(str(calling))
+    argv = ["--device", "cuda", "--fused-at", "HEAD~1", "old.py", "--impls", "fused", "--batch", "4"]
+    assert _strip_lists(argv) == ["--device", "cuda", "--batch", "4"]
 
 
 @needs_kernels
