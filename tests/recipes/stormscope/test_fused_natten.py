@@ -116,8 +116,9 @@ _BEFORE_THE_INTEGER_CUT = os.environ.get("FRAMEWORK_KERNELS_BEFORE", "e498b67")
 def _revision_present(rev: str) -> bool:
     if os.path.isfile(rev):
         return True
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    found = subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=root, capture_output=True)
+    from tests.conftest import REPO
+
+    found = subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True)
     return found.returncode == 0
 
 
@@ -145,13 +146,14 @@ def test_the_kernels_compute_what_they_computed_before_a_rewrite_bit_for_bit(dev
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(1, 13, 21, 3, 2, 48, generator=g).to(device, torch.bfloat16)
     dy = torch.randn(1, 2, 13, 21, 48, generator=g).to(device, torch.bfloat16)
-    for module in (before, fused_natten):
+
+    def packed(module):
         leaf = qkv.clone().requires_grad_()
         out = module.fused_packed_attention(leaf, 7)
         out.backward(dy)
-        if module is before:
-            want = (out, leaf.grad)
-    torch.testing.assert_close((out, leaf.grad), want, atol=0, rtol=0)
+        return out, leaf.grad
+
+    torch.testing.assert_close(packed(fused_natten), packed(before), atol=0, rtol=0)
     q, k, v = (t.float() for t in qkv.permute(3, 0, 4, 1, 2, 5).unbind(0))
     lo, hi = kv_rows_needed(4, 9, 7, 13)
 
