@@ -133,10 +133,14 @@ class Tiles(NamedTuple):
 # registers under Triton 3.9 (torch 2.13), three programs an SM; capped, 126 and no spills. The
 # cap costs ptxas's schedule some instructions (loop SASS a thread, Triton 3.9: 435 -> 451; 3.6,
 # which needs 128 registers either way: 413 -> 432), still under the 464 and 444 before.
+# The dK/dV kernel with three stages: once its loop read each query's statistics as one record
+# (fewer integer instructions to hide loads behind), a third stage paid on an H100: the layer
+# 6.01 ms against 6.31, the compiled DiT 17.80 samples/s against 17.54 (docs/benchmarks.md, run 25);
+# 223 registers under Triton 3.6 and 222 under 3.9, no spills, still two programs an SM.
 TILES = {
     "fwd": Tiles(8, 8, 8, 8, split=False, tma=True, full=True),
     "dq": Tiles(8, 8, 8, 8, regs=128),
-    "dkdv": Tiles(8, 8, 8, 8),
+    "dkdv": Tiles(8, 8, 8, 8, stages=3),
 }
 # float32 (full-precision products on FMAs, for parity runs): 8 x 8 tiles spill kilobytes of
 # registers on sm90; 4 x 8 do not.
