@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import traceback
 
@@ -20,6 +21,7 @@ def _entry(rank, world, port, fn, args, errors, timeout_s):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
+    faulthandler.enable(all_threads=True)  # a rank that dies of a signal prints where each thread was
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         fn(rank, world, *args)
