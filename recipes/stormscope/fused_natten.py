@@ -269,6 +269,14 @@ if triton is not None:
         return tl.zeros([M, D0], tl.float32), tl.zeros([M, D1 if D1 > 0 else D0], tl.float32)
 
     @triton.jit
+    def _key_places(sk_r, sk_c, sv_r, sv_c, KH: tl.constexpr, KW: tl.constexpr, WIDE: tl.constexpr):
+        """Each key's row and column in a ``KH x KW`` tile, and its offsets there in k and in v
+        (``_tile``'s ``inner``): once per program, for the forward's and dQ's loops over key tiles."""
+        n = tl.arange(0, KH * KW)
+        n_r, n_c = n // KW, n % KW
+        return n_r, n_c, _offsets(n_r, n_c, sk_r, sk_c, WIDE), _offsets(n_r, n_c, sv_r, sv_c, WIDE)
+
+    @triton.jit
     def _keys_and_values(
         r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1, n_r, n_c, k_inner, v_inner,
         sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
@@ -414,9 +422,7 @@ if triton is not None:
         m_i = tl.full([QH * QW], float("-inf"), tl.float32)
         l_i = tl.zeros([QH * QW], tl.float32)
         acc0, acc1 = _accumulators(QH * QW, D0, D1)
-        n = tl.arange(0, KH * KW)
-        n_r, n_c = n // KW, n % KW  # each key's place in its tile, and its offsets there:
-        k_inner, v_inner = _offsets(n_r, n_c, sk_r, sk_c, WIDE), _offsets(n_r, n_c, sv_r, sv_c, WIDE)
+        n_r, n_c, k_inner, v_inner = _key_places(sk_r, sk_c, sv_r, sv_c, KH, KW, WIDE)
         key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
         for t in range(0, key_tiles):
             r, c = _tile_at(t, o_r, o_c, tiles_c, KH, KW)
@@ -494,9 +500,7 @@ if triton is not None:
         delta = tl.load(rec + 1, mask=valid, other=0.0)
         dq0, dq1 = _accumulators(QH * QW, D0, D1)
         o_r, o_c = _key_origin(lo_r, hi_r, lo_c, hi_c, kv_off, span_r, span_c, KH, KW, FULL)
-        n = tl.arange(0, KH * KW)
-        n_r, n_c = n // KW, n % KW
-        k_inner, v_inner = _offsets(n_r, n_c, sk_r, sk_c, WIDE), _offsets(n_r, n_c, sv_r, sv_c, WIDE)
+        n_r, n_c, k_inner, v_inner = _key_places(sk_r, sk_c, sv_r, sv_c, KH, KW, WIDE)
         key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
         for t in range(0, key_tiles):
             r, c = _tile_at(t, o_r, o_c, tiles_c, KH, KW)
