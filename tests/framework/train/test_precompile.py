@@ -169,14 +169,16 @@ def test_off_where_it_cannot_apply(caplog):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog, channels_last):
+def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog):
     """Two workers build the blocks' graphs with inductor (CPU backend); the first training step
     then builds none and loads every one from the cache, and trains like the eager model. A job
     a worker cannot build (here: inputs of the wrong width) is reported, not raised, and the
-    step compiles what is missing. Channels-last, the workers give the input convolution the
-    contiguous input it takes (``compile_contiguous_inputs``) and the blocks channels-last ones.
-    The workers key their graphs as this process does, though they lack one of its custom ops."""
+    step compiles what is missing. Channels-last (the GPU's layout), the workers give the input
+    convolution the contiguous input it takes (``compile_contiguous_inputs``) and the blocks
+    channels-last ones. The workers key their graphs as this process does, though they lack one
+    of its custom ops. (Contiguous, the CPU's layout: the tiny recipe's compiled run through the
+    CLI in test_compile.py, with two workers, and the spawned worker below.)"""
+    channels_last = True
     _register_an_op_the_workers_lack()
     eager, model = _unet(dropout=0.0), _unet(dropout=0.0)
     compiled = compile_model(model, device_type="cpu", cache_dir=tmp_path / "cache", channels_last=channels_last)
