@@ -137,9 +137,12 @@ class Tiles(NamedTuple):
 # (fewer integer instructions to hide loads behind), a third stage paid on an H100: the layer
 # 6.01 ms against 6.31, the compiled DiT 17.80 samples/s against 17.54 (docs/benchmarks.md, run 25);
 # 223 registers under Triton 3.6 and 222 under 3.9, no spills, still two programs an SM.
+# The dQ kernel with three stages too (run 26, H100): the compiled DiT 17.75-17.85 samples/s in three
+# runs against 17.65-17.67 with two (uncapped three stages: 17.67); 125-126 registers and 48 KiB of
+# shared memory, so still four programs an SM, no spills, under Triton 3.6 and 3.9.
 TILES = {
     "fwd": Tiles(8, 8, 8, 8, split=False, tma=True, full=True),
-    "dq": Tiles(8, 8, 8, 8, regs=128),
+    "dq": Tiles(8, 8, 8, 8, stages=3, regs=128),
     "dkdv": Tiles(8, 8, 8, 8, stages=3),
 }
 # float32 (full-precision products on FMAs, for parity runs): 8 x 8 tiles spill kilobytes of
