@@ -178,12 +178,11 @@ def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog):
     channels-last ones. The workers key their graphs as this process does, though they lack one
     of its custom ops. (Contiguous, the CPU's layout: the tiny recipe's compiled run through the
     CLI in test_compile.py, with two workers, and the spawned worker below.)"""
-    channels_last = True
     _register_an_op_the_workers_lack()
     eager, model = _unet(dropout=0.0), _unet(dropout=0.0)
-    compiled = compile_model(model, device_type="cpu", cache_dir=tmp_path / "cache", channels_last=channels_last)
+    compiled = compile_model(model, device_type="cpu", cache_dir=tmp_path / "cache", channels_last=True)
     layouts = {name: unit.forward.channels_last for name, unit in compiled.units_list}
-    assert layouts.pop("enc.16_conv") is False and set(layouts.values()) == {channels_last}, layouts
+    assert layouts.pop("enc.16_conv") is False and set(layouts.values()) == {True}, layouts
     jobs = precompile.plan_jobs(2, compiled, model, _Task(), 2, _Precision(), torch.device("cpu"))
     bad = precompile.Job(jobs[0].block, (("tensor", (2, 5, 16, 16), torch.float32, True), *jobs[0].args[1:]))
     with caplog.at_level("INFO", logger="framework"):
