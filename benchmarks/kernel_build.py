@@ -9,8 +9,9 @@ compiles each kernel for the target with Triton's own ptxas, and prints per kern
 spilled bytes, shared memory, how many loads became asynchronous copies (cp.async or TMA: pipelined), and the PTX
 instructions of its inner loop per score. At head dim 48 the softmax and masking arithmetic, not
 the products, sets these kernels' pace, so the last figure is the one to lower. With ``/full``
-tiles, a tile inside every window skips the window test: the figure is then the average over the
-two paths, weighted by the share of such tiles at this size (both paths are printed).
+tiles, a tile inside every window on an axis skips that axis' window test: the figure is then the
+average over the loop's paths (both tests, one, none; each counted through the loop's PTX control
+flow), weighted by the share of tiles taking each at this size (the paths are printed).
 
     python benchmarks/kernel_build.py                                   # StormScope's layer, bf16, sm90
     python benchmarks/kernel_build.py --grid 128 160 --heads 16 --head-dim 48 --tiles 8x16/8x8/8/3
@@ -123,10 +124,13 @@ def report(kernel, args, kw, arch: int) -> dict:
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spills = re.search(r"(\d+) bytes spill stores", out.stderr)
     ttgir = compiled.asm["ttgir"]
-    tested = untested = None
+    tested = untested = one_axis = None
     if "QH" in kw:  # a tiled kernel (not the delta kernel)
         per_score = 32 * options["num_warps"] / (kw["QH"] * kw["QW"] * kw["KH"] * kw["KW"])  # scores per loop pass
-        tested, untested = (n * per_score for n in loop_instructions(compiled.asm["ptx"]))
+        paths = [n * per_score for n in loop_paths(compiled.asm["ptx"])]
+        tested, untested = paths[-1], paths[0]
+        if len(paths) > 2:  # the rows' test and the columns' apart: the paths with one of them
+            one_axis = sum(paths[1:-1]) / len(paths[1:-1])
     return {
         "kernel": kernel.__name__,
         "registers": int(regs.group(1)) if regs else None,
@@ -149,6 +153,7 @@ def report(kernel, args, kw, arch: int) -> dict:
         "tensor_core": "wgmma" if "warp_group_dot" in ttgir else ("mma" if "nvidia_mma" in ttgir else "none"),
         "instructions_per_score": tested,  # every tile through the window test
         "full_tile_instructions_per_score": untested,  # a tile inside every window (FULL), else the same
+        "one_axis_instructions_per_score": one_axis,  # a tile testing rows or columns only (None: no such path)
         **options,
     }
 
@@ -186,28 +191,71 @@ def loop_local_accesses(cubin: bytes, nvdisasm: Path) -> int | None:
     return sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in body)
 
 
-def loop_instructions(ptx: str) -> tuple[int, int]:
-    """PTX instructions of the inner loop, per thread, on its longest and its shortest path: of the
-    spans from a label to a branch back to it, those with the most matrix products (a loop with a
-    block it may skip, the window test, closes twice: once after the block, once before it)."""
-    loops = _loops(ptx, r"(\$L__\w+):", r"\bbra(?:\.uni)?\s+(\$L__\w+);")
-    products = max(sum("mma" in line for line in span) for span in loops)
-    counts = [
-        sum(1 for line in span if re.match(r"\s+(@!?%p\d+\s+)?[a-z]", line))
-        for span in loops
-        if sum("mma" in line for line in span) == products
-    ]
-    return max(counts), min(counts)
+_INSTRUCTION = re.compile(r"\s+(@!?%p\d+\s+)?[a-z]")  # a PTX instruction's line (not a label, .loc or comment)
+_BRANCH = re.compile(r"^\s+(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__BB\w+);")
+
+
+def _blocks(ptx: str) -> tuple[list[list[str]], list[list[int]]]:
+    """The PTX's basic blocks (their lines) and each one's successors (indices): a block begins at
+    a branch target's label or after a branch, and falls through unless its branch is unconditional.
+    (Inline assembly's own local loops, Hopper's barrier waits, count as straight-line code.)"""
+    blocks: list[list[str]] = [[]]
+    labels: dict[str, int] = {}
+    for line in ptx.splitlines():
+        if m := re.match(r"(\$L__BB\w+):", line):
+            if blocks[-1]:
+                blocks.append([])
+            labels[m.group(1)] = len(blocks) - 1
+        blocks[-1].append(line)
+        if _BRANCH.match(line):
+            blocks.append([])
+    successors = []
+    for i, lines in enumerate(blocks):
+        m = next((m for line in lines if (m := _BRANCH.match(line))), None)
+        nxt = [i + 1] if i + 1 < len(blocks) else []
+        successors.append(nxt if m is None else [labels[m.group(2)], *(nxt if m.group(1) else [])])
+    return blocks, successors
+
+
+def loop_paths(ptx: str) -> list[int]:
+    """PTX instructions per thread of each path once around the inner loop (the loop with the most
+    matrix products), shortest first: one path, or one for each combination of the loop's
+    branches (the window test's, per axis, with ``/full`` tiles)."""
+    blocks, successors = _blocks(ptx)
+    sizes = [sum(bool(_INSTRUCTION.match(line)) for line in b) for b in blocks]
+    products = [sum("mma" in line for line in b) for b in blocks]
+    cycles: list[tuple[int, int]] = []  # (products, instructions) of each simple cycle
+
+    def walk(head: int, at: int, seen: set, mma: int, n: int) -> None:
+        for s in successors[at]:
+            if s == head:
+                cycles.append((mma, n))
+            elif s not in seen and s > head:  # each cycle once, from its first block
+                walk(head, s, seen | {s}, mma + products[s], n + sizes[s])
+
+    for head in range(len(blocks)):
+        walk(head, head, {head}, products[head], sizes[head])
+    most = max(m for m, _ in cycles)
+    return sorted(n for m, n in cycles if m == most)
 
 
 def full_tile_share(grid, kernel: int, tiles: fused_natten.Tiles, backward_kv: bool) -> float:
     """The share of the loop's tiles that lie inside every window of the program's tile (and skip
-    the window test with ``/full``), at this size on one band: the kernels' tiling, row and column
-    alike (the tiles are products of the two). ``backward_kv``: the dK/dV kernel's query tiles
-    around a key tile, else the forward's (and dQ's) key tiles around a query tile."""
+    the window test with ``/full``), at this size on one band. ``backward_kv``: the dK/dV
+    kernel's query tiles around a key tile, else the forward's (and dQ's) key tiles around a
+    query tile."""
+    rows, cols = full_axis_shares(grid, kernel, tiles, backward_kv)
+    return rows * cols
+
+
+def full_axis_shares(grid, kernel: int, tiles: fused_natten.Tiles, backward_kv: bool) -> tuple[float, float]:
+    """Per axis, the share of the loop's tiles inside every window on that axis (which skip that
+    axis' test with ``/full``): the kernels' tiling, row and column alike. A tile is inside on both
+    axes in the product of the two shares, as programs and their loops' tiles are products of
+    rows and columns."""
     if not tiles.full:
-        return 0.0
-    full = total = 1
+        return 0.0, 0.0
+    shares = []
     for n, q, k in zip(grid, (tiles.qh, tiles.qw), (tiles.kh, tiles.kw)):
         span = min(kernel, n)
         starts = window_starts(torch.arange(n), kernel, n).tolist()  # non-decreasing
@@ -234,8 +282,19 @@ def full_tile_share(grid, kernel: int, tiles: fused_natten.Tiles, backward_kv: b
                 for r in range(o, hi, k):
                     m += 1
                     f += r >= hi - span and r + k <= lo + span
-        full, total = full * f, total * m
-    return full / total
+        shares.append(f / m)
+    return shares[0], shares[1]
+
+
+def mean_instructions(r: dict, f_r: float, f_c: float) -> float:
+    """A report's instructions per score over the loop's tiles, ``f_r``, ``f_c`` of them inside every
+    window on rows, on columns (``full_axis_shares``). The two one-axis paths are taken as their
+    mean (exact where the shares are equal, as they nearly are at the preset's size)."""
+    both, none = r["instructions_per_score"], r["full_tile_instructions_per_score"]
+    one = r["one_axis_instructions_per_score"]
+    if one is None:  # one test for both axes
+        return both * (1 - f_r * f_c) + none * f_r * f_c
+    return both * (1 - f_r) * (1 - f_c) + one * (f_r + f_c - 2 * f_r * f_c) + none * f_r * f_c
 
 
 def parse_tiles(text: str) -> fused_natten.Tiles:
@@ -294,12 +353,14 @@ def main(argv=None) -> None:
                 print(f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled")
                 continue
             tiles_of = fused_natten.Tiles(kw["QH"], kw["QW"], kw["KH"], kw["KW"], full=kw["FULL"])
-            share = full_tile_share(a.grid, a.kernel, tiles_of, r["kernel"] == "_fna_backward_dkdv")
-            mean = r["instructions_per_score"] * (1 - share) + r["full_tile_instructions_per_score"] * share
+            f_r, f_c = full_axis_shares(a.grid, a.kernel, tiles_of, r["kernel"] == "_fna_backward_dkdv")
+            mean = mean_instructions(r, f_r, f_c)
+            one = r["one_axis_instructions_per_score"]
             paths = (
-                f" ({r['instructions_per_score']:.1f} tested, {r['full_tile_instructions_per_score']:.1f} on the "
-                f"{share:.0%} of tiles inside every window)"
-                if share
+                f" ({r['instructions_per_score']:.1f} tested"
+                + (f", {one:.1f} on the {f_r + f_c - 2 * f_r * f_c:.0%} of tiles tested on one axis" if one else "")
+                + f", {r['full_tile_instructions_per_score']:.1f} on the {f_r * f_c:.0%} of tiles inside every window)"
+                if f_r * f_c
                 else ""
             )
             in_loop = r["loop_local_accesses"]

@@ -328,13 +328,22 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _inside(lo_r, lo_c, x_r, x_c, len_r, len_c):
-        """Whether (x_r, x_c) lies in ``[lo_r, lo_r + len_r) x [lo_c, lo_c + len_c)`` (broadcast):
-        a key in a query's window, or a query among those whose windows reach a key. One unsigned
-        comparison per axis: at head_dim 48 a score's mask costs about as much as its products,
-        so every instruction here counts (the callers hoist all they can out of it)."""
-        rows = (x_r - lo_r).to(tl.uint32, bitcast=True) < len_r
-        return rows & ((x_c - lo_c).to(tl.uint32, bitcast=True) < len_c)
+    def _within(x, lo, n):
+        """Whether ``x`` lies in ``[lo, lo + n)`` (broadcast): one unsigned comparison."""
+        return (x - lo).to(tl.uint32, bitcast=True) < n
+
+    @triton.jit
+    def _windowed(s, fill, part_r, part_c, lo_r, lo_c, x_r, x_c, len_r, len_c):
+        """``s`` where (x_r, x_c) lies in ``[lo_r, lo_r + len_r) x [lo_c, lo_c + len_c)`` (broadcast),
+        else ``fill``: a key in a query's window, or a query among those whose windows reach a key.
+        Each axis is tested only where its flag says some pair may fall outside it (a tile partial
+        on one axis, most of them, skips the other's test). At head_dim 48 a score's mask costs about
+        as much as its products, so every instruction here counts (the callers hoist all they can)."""
+        if part_r:
+            s = tl.where(_within(x_r, lo_r, len_r), s, fill)
+        if part_c:
+            s = tl.where(_within(x_c, lo_c, len_c), s, fill)
+        return s
 
     @triton.jit
     def _aligned_origin(lo, first_full, hi, floor, T: tl.constexpr):
@@ -390,21 +399,21 @@ if triton is not None:
     @triton.jit
     def _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c,
                           KH: tl.constexpr, KW: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
-        """Whether the key tile from ``r``, ``c`` needs the window test: some key lies outside some
-        window of the query tile (windows ``[lo, lo + span)`` to ``[hi - span, hi)``, starting
-        monotonically). Without FULL, every tile (a constant: no branch)."""
+        """Whether the key tile from ``r``, ``c`` needs the window test on rows, on columns: some key
+        lies outside some window of the query tile on that axis (windows ``[lo, lo + span)`` to
+        ``[hi - span, hi)``, starting monotonically). Without FULL, both (constants: no branch)."""
         if FULL:
-            return (r < hi_r - span_r) | (r + KH > lo_r + span_r) | (c < hi_c - span_c) | (c + KW > lo_c + span_c)
-        return True
+            return (r < hi_r - span_r) | (r + KH > lo_r + span_r), (c < hi_c - span_c) | (c + KW > lo_c + span_c)
+        return True, True
 
     @triton.jit
     def _query_tile_partial(r, c, a_r, b_r, a_c, b_c, QH: tl.constexpr, QW: tl.constexpr, FULL: tl.constexpr):
-        """Whether the query tile at local ``r``, ``c`` needs the window test: some query lies outside
-        ``[a_r, b_r] x [a_c, b_c]``, those whose windows hold the whole key tile. Without FULL,
-        every tile."""
+        """Whether the query tile at local ``r``, ``c`` needs the window test on rows, on columns: some
+        query lies outside ``[a_r, b_r]``, ``[a_c, b_c]``, those whose windows hold the whole key tile
+        on that axis. Without FULL, both."""
         if FULL:
-            return (r < a_r) | (r + QH - 1 > b_r) | (c < a_c) | (c + QW - 1 > b_c)
-        return True
+            return (r < a_r) | (r + QH - 1 > b_r), (c < a_c) | (c + QW - 1 > b_c)
+        return True, True
 
     @triton.jit
     def _fna_forward(
@@ -434,10 +443,10 @@ if triton is not None:
                 sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, D, D0, D1, KH, KW, TMA, WIDE,
             )  # fmt: skip
             s = _products(q0, q1, k0, k1, D1, PRECISION)  # unscaled: the scale joins exp2's argument
-            if _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
-                # (the key at tile place n_r, n_c is in the window from ws_r - r, ws_c - c of the tile)
-                inside = _inside((ws_r - r)[:, None], (ws_c - c)[:, None], n_r[None, :], n_c[None, :], span_r, span_c)
-                s = tl.where(inside, s, float("-inf"))
+            part_r, part_c = _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL)
+            # (the key at tile place n_r, n_c is in the window from ws_r - r, ws_c - c of the tile)
+            s = _windowed(s, float("-inf"), part_r, part_c, (ws_r - r)[:, None], (ws_c - c)[:, None],
+                          n_r[None, :], n_c[None, :], span_r, span_c)  # fmt: skip
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key of this tile yet
             p = tl.exp2(s * qk_scale - m_use[:, None])
@@ -514,9 +523,9 @@ if triton is not None:
             s = _products(q0, q1, k0, k1, D1, PRECISION)
             # (padding queries' rows are never stored and reach no other row)
             p = tl.exp2(s * qk_scale - lse[:, None])
-            if _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL):
-                inside = _inside((ws_r - r)[:, None], (ws_c - c)[:, None], n_r[None, :], n_c[None, :], span_r, span_c)
-                p = tl.where(inside, p, 0.0)
+            part_r, part_c = _key_tile_partial(r, c, lo_r, hi_r, lo_c, hi_c, span_r, span_c, KH, KW, FULL)
+            p = _windowed(p, 0.0, part_r, part_c, (ws_r - r)[:, None], (ws_c - c)[:, None],
+                          n_r[None, :], n_c[None, :], span_r, span_c)  # fmt: skip
             dp = _products(do0, do1, v0, v1, D1, PRECISION)
             ds = (p * (dp - delta[:, None])).to(k0.dtype)
             dq0 += tl.dot(ds, k0, input_precision=PRECISION)
@@ -603,10 +612,9 @@ if triton is not None:
             # (queries not loaded are zeros with lse = delta = 0: they add nothing, window or not)
             s = _products(k0, k1, q0, q1, D1, PRECISION)  # (keys, queries)
             p = tl.exp2(s * qk_scale - lse[None, :])
-            if _query_tile_partial(r, c, a_r, b_r, a_c, b_c, QH, QW, FULL):
-                inside = _inside((qf_r - r)[:, None], (qf_c - c)[:, None], m_r[None, :], m_c[None, :],
-                                 qn_r[:, None], qn_c[:, None])  # fmt: skip
-                p = tl.where(inside, p, 0.0)
+            part_r, part_c = _query_tile_partial(r, c, a_r, b_r, a_c, b_c, QH, QW, FULL)
+            p = _windowed(p, 0.0, part_r, part_c, (qf_r - r)[:, None], (qf_c - c)[:, None],
+                          m_r[None, :], m_c[None, :], qn_r[:, None], qn_c[:, None])  # fmt: skip
             dp = _products(v0, v1, do0, do1, D1, PRECISION)
             ds = (p * (dp - delta[None, :])).to(q0.dtype)
             p = p.to(do0.dtype)
