@@ -569,8 +569,8 @@ def test_compiled_layouts_train_like_one_eager_process(sharding, backend):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_tiny_recipe_compiled_with_inductor_trains_like_eager(tmp_path):
-    """trainer.compile=true through the CLI with inductor's CPU backend (C++ kernels; about 100 s
-    to compile on 2 cores): fp32, 20 steps, the eager losses within 1e-5, no graph break. Two
+    """trainer.compile=true through the CLI with inductor's CPU backend (scalar C++ kernels, see
+    conftest.py; about 70 s on 2 cores): fp32, 20 steps, the eager losses within 1e-5, no graph break. Two
     precompile workers build every block's graphs before the first step, which loads them all."""
     from framework.logging.jsonl import read
     from scripts.loss_compare import compare
