@@ -286,6 +286,12 @@ def full_axis_shares(grid, kernel: int, tiles: fused_natten.Tiles, backward_kv: 
     return shares[0], shares[1]
 
 
+def one_axis_share(f_r: float, f_c: float) -> float:
+    """The share of tiles inside every window on exactly one axis, of ``f_r`` on rows and ``f_c``
+    on columns (independent: a tile's row and column are)."""
+    return f_r + f_c - 2 * f_r * f_c
+
+
 def mean_instructions(r: dict, f_r: float, f_c: float) -> float:
     """A report's instructions per score over the loop's tiles, ``f_r``, ``f_c`` of them inside every
     window on rows, on columns (``full_axis_shares``). The two one-axis paths are taken as their
@@ -294,7 +300,7 @@ def mean_instructions(r: dict, f_r: float, f_c: float) -> float:
     one = r["one_axis_instructions_per_score"]
     if one is None:  # one test for both axes
         return both * (1 - f_r * f_c) + none * f_r * f_c
-    return both * (1 - f_r) * (1 - f_c) + one * (f_r + f_c - 2 * f_r * f_c) + none * f_r * f_c
+    return both * (1 - f_r) * (1 - f_c) + one * one_axis_share(f_r, f_c) + none * f_r * f_c
 
 
 def parse_tiles(text: str) -> fused_natten.Tiles:
@@ -358,7 +364,7 @@ def main(argv=None) -> None:
             one = r["one_axis_instructions_per_score"]
             paths = (
                 f" ({r['instructions_per_score']:.1f} tested"
-                + (f", {one:.1f} on the {f_r + f_c - 2 * f_r * f_c:.0%} of tiles tested on one axis" if one else "")
+                + (f", {one:.1f} on the {one_axis_share(f_r, f_c):.0%} of tiles tested on one axis" if one else "")
                 + f", {r['full_tile_instructions_per_score']:.1f} on the {f_r * f_c:.0%} of tiles inside every window)"
                 if f_r * f_c
                 else ""
