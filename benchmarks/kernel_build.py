@@ -333,13 +333,19 @@ def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None) -> list:
     return calls
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_arguments(p: argparse.ArgumentParser) -> None:
+    """The attention layer's size, the StormScope preset's by default (batch 4, 16 heads of 48,
+    128 x 160 tokens, 31 x 31 windows)."""
     p.add_argument("--grid", type=int, nargs=2, default=[128, 160], metavar=("ROWS", "COLS"), help="token grid")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=48)
     p.add_argument("--kernel", type=int, default=31)
     p.add_argument("--batch", type=int, default=4)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    layer_arguments(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
     p.add_argument(
