@@ -7,15 +7,16 @@ lower-level dialect Triton ships beside it, can (``warpgroup_mma(..., is_async=T
 ``warpgroup_mma_wait``), the way FlashAttention-3 overlaps them. This script runs the same
 algorithm as ``_fna_forward``'s defaults (8 x 8 query and key tiles, keys from tiles aligned to the
 ones inside every window, the window test per axis on partial tiles, heads padded to 64, the
-copy engine's loads into a three-slot ring) written in Gluon, once as Triton's code runs it (each
-product waited for at once) and once with the next tile's QK^T issued before this tile's
-softmax, beside the fused kernel, on the same inputs:
+copy engine's loads into a ring of tiles) written in Gluon, as Triton's code runs it (each
+product waited for at once; rings of two and of three tiles) and with the next tile's QK^T issued
+before this tile's softmax, beside the fused kernel, on the same inputs:
 
     python benchmarks/gluon_natten.py            # the StormScope preset's layer, bf16, on a Hopper GPU
 
 It checks that the Gluon forward's output equals the fused kernel's to the bit, then prints each
 kernel's time (``triton.testing.do_bench``, twice, alternating). Forward only, the whole grid, no
-log-sum-exp output: a measurement, not a kernel the recipe runs.
+log-sum-exp output: a measurement, not a kernel the recipe runs (docs/benchmarks.md, run 30: on an
+H100 the overlap was slower, the plain port 4-5% faster than the fused forward).
 """
 
 from __future__ import annotations
@@ -42,9 +43,6 @@ except ImportError:  # no Triton, or one without Gluon's Hopper API
 
 TILE = 8  # query and key tiles of 8 x 8 tokens, as the fused kernels' 16-bit defaults
 PADDED = 64  # heads padded to 64 channels in the products (the fused forward's `pad`)
-# Key and value tiles in the ring: two (the one in use, the next loading; 40 KiB a program with
-# the query tile, as the fused forward) or three, which the overlap needs (the next tile's load
-# must have landed when its QK^T is issued early, while the one after loads; 56 KiB)
 
 if gluon is not None:
     # the copy engine's tile load: `async_load` in newer Gluon, `async_copy_global_to_shared` in Triton 3.6
@@ -171,8 +169,11 @@ def scalars(shape, kernel: int) -> tuple:
 
 def forward(q, k, v, kernel: int, overlap: bool = False, slots: int = 2):
     """Neighbourhood attention over the whole grid of (B, H, R, C, D) views with unit channel
-    stride (D <= 64, 16-bit): the output, (B, H, R, C, D) contiguous. ``overlap``: the next
-    tile's QK^T issued before this tile's softmax (needs ``slots`` >= 3)."""
+    stride (D <= 64, 16-bit): the output, (B, H, R, C, D) contiguous. ``slots``: key and value
+    tiles in the ring, two (the one in use and the next, loading; 40 KiB of shared memory a
+    program with the query tile, as the fused forward) or more; ``overlap``: the next tile's
+    QK^T issued before this tile's softmax, which needs three (that tile's load must have landed
+    when its product is issued early, while the one after it loads; 56 KiB)."""
     if overlap and slots < 3:
         raise ValueError("the overlap needs a ring of 3 key tiles or more")
     b, heads, rows, cols, d = q.shape
