@@ -48,6 +48,8 @@ if gluon is not None:
     # the copy engine's tile load: `async_load` in newer Gluon, `async_copy_global_to_shared` in Triton 3.6
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
+    # (Gluon kernels cannot call Triton-language functions: these two restate fused_natten's
+    # _window_start and _aligned_origin, whose bits the tests hold these to)
     @gluon.jit
     def _window_start(pos, half, n, span):
         return gl.minimum(gl.maximum(pos - half, 0), n - span)
@@ -78,6 +80,13 @@ if gluon is not None:
     def _keys(k_s, slot):
         """Ring slot ``slot``'s keys as the (channels, keys) operand of Q K^T (64 keys of 64)."""
         return k_s.index(slot).reshape([64, 64]).permute((1, 0))
+
+    @gluon.jit
+    def _next_scores(q2, k_s, bars, t, n_tiles, zero, SLOTS: gl.constexpr):
+        """Tile t + 1's QK^T, issued once its keys have landed (waited for by the caller)."""
+        nxt = (t + 1) % SLOTS
+        mbarrier.wait(bars.index(nxt), ((t + 1) // SLOTS) & 1, pred=t + 1 < n_tiles)
+        return warpgroup_mma(q2, _keys(k_s, nxt), zero, use_acc=False, is_async=True)
 
     @gluon.jit
     def natten_forward_kernel(
@@ -131,10 +140,8 @@ if gluon is not None:
             ahead = t + SLOTS - 1
             _load_tile(k_desc, v_desc, k_s, v_s, bars, ahead, ahead < n_tiles, b, h, o_r, o_c, tiles_c, T, SLOTS)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
-            nxt = (t + 1) % SLOTS
             if OVERLAP:  # the next tile's scores run on the tensor cores while this tile's softmax runs
-                mbarrier.wait(bars.index(nxt), ((t + 1) // SLOTS) & 1, pred=t + 1 < n_tiles)
-                s_next = warpgroup_mma(q2, _keys(k_s, nxt), zero, use_acc=False, is_async=True)
+                s_next = _next_scores(q2, k_s, bars, t, n_tiles, zero, SLOTS)
             r, c = o_r + (t // tiles_c) * T, o_c + (t % tiles_c) * T
             s = _masked(s, (r < hi_r - span_r) | (r + T > lo_r + span_r), n_r, ws_r - r, span_r)
             s = _masked(s, (c < hi_c - span_c) | (c + T > lo_c + span_c), n_c, ws_c - c, span_c)
@@ -147,8 +154,7 @@ if gluon is not None:
             acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v, acc * alpha[:, None])
             m_i = m_new
             if not OVERLAP:  # as Triton's tl.dot: issued here, waited for at the loop's top
-                mbarrier.wait(bars.index(nxt), ((t + 1) // SLOTS) & 1, pred=t + 1 < n_tiles)
-                s_next = warpgroup_mma(q2, _keys(k_s, nxt), zero, use_acc=False, is_async=True)
+                s_next = _next_scores(q2, k_s, bars, t, n_tiles, zero, SLOTS)
         warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
         d = gl.arange(0, DP, cols_l)
         offs = (((b * gl.num_programs(1) + h) * R + rows) * C + cols).to(gl.int64) * D
