@@ -33,7 +33,7 @@ from framework.errors import EXIT_INTERRUPTED, ConfigError, FrameworkError
 if TYPE_CHECKING:
     from framework.runtime import JobResult
 
-MAX_SWEEP_VARIANTS = 64  # compositions a --multirun precheck makes at most
+MAX_SWEEP_VARIANTS = 256  # compositions a --multirun's check makes at most: its first job, then one per group option
 
 
 def fail(e: FrameworkError) -> NoReturn:
@@ -256,21 +256,26 @@ def _compose_variants(source: Source, overrides: list[str], multirun: bool):
         first = _firsts(sweep, source)
         cfg, passed = run(first)
     yield cfg, passed
-    count = 1
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    # Every option, however many: a job's hydra node (its logging, its environment) is set up by
+    # Hydra before the job's own check runs, so an option left out here would act unchecked.
+    variants: dict[tuple[str, ...], None] = {}  # in order, each once (a repeated option counts once)
     for i, o in enumerate(OverridesParser.create().parse_overrides(sweep)):
         if not o.is_sweep_override() or not _is_group(o.key_or_group, source):
             continue
         for value in _sweep_values(o, source):
             variant = list(first)
             variant[i] = f"{o.get_key_element()}={value}"
-            if variant[i] == first[i]:
-                continue  # composed already
-            if count >= MAX_SWEEP_VARIANTS:
-                return  # the rest is checked by each job (framework.cli.main)
-            count += 1
-            yield run(variant)
+            if variant[i] != first[i]:  # else composed already
+                variants[tuple(variant)] = None
+    if 1 + len(variants) > MAX_SWEEP_VARIANTS:
+        raise ConfigError(
+            f"--multirun: checking this sweep's config group options takes {1 + len(variants)} "
+            f"compositions, more than {MAX_SWEEP_VARIANTS}; split it into smaller sweeps"
+        )
+    for composition in variants:
+        yield run(list(composition))
 
 
 def _firsts(overrides: list[str], source: Source) -> list[str]:

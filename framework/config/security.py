@@ -877,8 +877,34 @@ def _check_env_set(env_set: Any, h: DictConfig, trust: Trust, presets: Presets) 
         )
 
 
+def _check_log_file(handler: dict, path: str, trust: Trust) -> None:
+    """A file handler's file, from a config: a ``.log`` file, appended to. Its path and its
+    formatter's text are the config's to choose, so any other name (``site-packages/x.pth``,
+    ``~/.bashrc``) would be a file the config writes for something else to run, and ``mode: w``
+    would wipe another run's log."""
+    cls = handler.get("class", handler.get("()"))
+    if isinstance(cls, str) and matches(cls, trust.logging):
+        return  # a trusted class takes its arguments as given
+    name = handler["filename"]
+    if not isinstance(name, str) or _CONTROL.search(name) or not name.endswith(".log"):
+        raise ConfigError(
+            f"{path}.filename: {name!r} is not allowed: a logging handler from a config may only write "
+            "a file ending in .log (list the handler class in trust.logging of your primary config "
+            "to write another)"
+        )
+    if handler.get("mode", "a") != "a":
+        raise ConfigError(f"{path}.mode: {handler['mode']!r} is not allowed: a log file is only appended to ('a')")
+
+
 def _check_logging(node: Any, path: str, trust: Trust) -> None:
     if isinstance(node, dict):
+        if "." in node:
+            raise ConfigError(
+                f"{path}.'.': setting a logging object's attributes is not allowed (its file, its stream); "
+                "give them as the class's arguments"
+            )
+        if "filename" in node:  # a file handler (whatever its class: another file may set it)
+            _check_log_file(node, path, trust)
         for k, v in node.items():
             sub = f"{path}.{k}"
             if k in ("class", "()"):

@@ -96,6 +96,33 @@ def guard_submitit() -> None:
     plugin.BaseSubmititLauncher.launch = _launch
 
 
+def shared_folder(folder) -> str | None:
+    """Why another user could put files into submitit's ``folder`` (created here if missing), or
+    None. Its pickles are loaded by the jobs and by the launching process, and a sweep file (not
+    trusted) may choose it: it must belong to this user and be writable by no one else, and no
+    directory above it may let anyone rename it (world-writable without the sticky bit)."""
+    import stat
+
+    from submitit.core.utils import JobPaths
+
+    top = JobPaths.get_first_id_independent_folder(folder)  # the part without %j and the like
+    try:
+        top.mkdir(mode=0o700, parents=True, exist_ok=True)  # new: this user's alone, whatever the umask
+        top = top.resolve()  # a link another user planted is judged by where it leads
+        mode, owner = top.stat().st_mode, top.stat().st_uid
+        if owner != os.geteuid():
+            return f"{top} belongs to another user (uid {owner})"
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"{top} can be written by other users (mode {stat.filemode(mode)})"
+        for parent in top.parents:
+            mode = parent.stat().st_mode
+            if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+                return f"{parent} can be written by anyone (mode {stat.filemode(mode)})"
+    except OSError as e:
+        return f"{top}: {e.strerror or e}"
+    return None
+
+
 def _exit(message: str, code: int):
     import sys
 
@@ -121,6 +148,13 @@ def _launch(self, job_overrides, initial_job_idx):
 
     log = logging.getLogger("hydra_plugins.hydra_submitit_launcher.submitit_launcher")
     params = dict(self.params)
+    unsafe = shared_folder(params["submitit_folder"])
+    if unsafe:
+        _exit(
+            f"hydra.launcher.submitit_folder: {unsafe}; the jobs and this process load pickles from it, "
+            "so it must be a folder only you can write",
+            EXIT_CONFIG,
+        )
     specific = {"max_num_timeout"}
     init = {"folder": params["submitit_folder"]}
     init.update({f"{self._EXECUTOR}_{k}": v for k, v in params.items() if k in specific})

@@ -98,6 +98,11 @@ CASES = {
         ],
         r"^error: hydra\.job_logging\.handlers\.x\.class: logging class 'zipfile\.ZipFile' is not allowed",
     ),
+    # a file handler's name and text came from the config: a .pth file runs in every later interpreter
+    "log_file": (
+        ["+hydra.job_logging.handlers.x.class=logging.FileHandler", "+hydra.job_logging.handlers.x.filename={marker}"],
+        r"^error: hydra\.job_logging\.handlers\.x\.filename: '.*marker' is not allowed",
+    ),
     # a pkg:// search-path entry imported a module of the working directory while composing
     "searchpath": (["hydra.searchpath=[pkg://evilmod]"], r"^error: hydra\.searchpath: 'pkg://evilmod' is not allowed"),
     # a _target_ inside an interpolation in a --config-dir file passed the unresolved check
@@ -118,6 +123,18 @@ CASES = {
     # the second option of a swept group configures the second job's logging
     "sweep_group": (
         ["--multirun", "--config-dir", "{cd}", "cluster=local,evil", "hydra.sweep.dir={tmp}/sweep"],
+        r"^error: hydra\.job_logging\.handlers\.x\.class: logging class 'zipfile\.ZipFile'",
+    ),
+    # options past the check's cap (64 then, repeats counted) configured their jobs' logging unchecked
+    "sweep_past_cap": (
+        [
+            "--multirun",
+            "--config-dir",
+            "{cd}",
+            "optim=adam" + ",adamw" * 64,
+            "cluster=local,evil",
+            "hydra.sweep.dir={tmp}/sweep",
+        ],
         r"^error: hydra\.job_logging\.handlers\.x\.class: logging class 'zipfile\.ZipFile'",
     ),
     # Hydra builds the Optuna sweeper's node with instantiate(): a sampler, a storage or a custom
@@ -154,3 +171,47 @@ def test_injection_is_refused_before_anything_runs(tmp_path, case):
     assert not marker.exists(), marker.read_text()
     for written in ("run", "sweep", "data"):
         assert not (tmp_path / written).exists(), written
+
+
+def test_submitits_folder_must_be_private(tmp_path):
+    """A sweep file may choose hydra.launcher.submitit_folder; submitit's pickles there are loaded
+    by the jobs and the launching process, so a folder others can write is refused."""
+    from framework.distributed.launcher import shared_folder
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o1777)  # like /tmp: anyone may add entries, not rename others'
+    assert shared_folder(f"{shared}/mine/%j") is None
+    assert (shared / "mine").stat().st_mode & 0o777 == 0o700  # created for this user alone
+    (shared / "open").mkdir()
+    (shared / "open").chmod(0o777)  # planted by another user, or left open
+    assert "can be written by other users" in shared_folder(f"{shared}/open/%j")
+    shared.chmod(0o777)  # no sticky bit: another user could rename mine/ and put their own in its place
+    assert "can be written by anyone" in shared_folder(f"{shared}/mine/%j")
+    shared.chmod(0o1777)
+    (shared / "link").symlink_to(shared / "open")
+    assert "/open can be written by other users" in shared_folder(f"{shared}/link/%j")
+
+
+def test_a_sweep_into_a_shared_submitit_folder_is_refused_before_submitting(tmp_path):
+    shared = tmp_path / "scratch"
+    shared.mkdir()
+    shared.chmod(0o777)
+    overrides = tiny_overrides(tmp_path, tmp_path / "data", checkpoint="none", **{"trainer.max_steps": 2})
+    proc = run_cli(
+        [
+            "--multirun",
+            "hydra/launcher=submitit_local",
+            f"hydra.launcher.submitit_folder={shared}/%j",
+            f"hydra.sweep.dir={tmp_path}/sweep",
+            *[o for o in overrides if not o.startswith("hydra.run.dir=")],
+        ],
+        cwd=tmp_path,
+    )
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
+    assert re.match(
+        rf"^error: hydra\.launcher\.submitit_folder: {re.escape(str(shared))} can be written by other users", err[0]
+    ), err[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not list(shared.iterdir())  # no job pickle was written

@@ -5,6 +5,7 @@ In-process and fast: precheck is called as __main__ calls it (a refusal is Syste
 the real CLI runs with marker-file payloads are in tests/framework/test_cli_security.py.
 """
 
+import re
 import sys
 import textwrap
 
@@ -255,6 +256,81 @@ def test_a_logging_node_built_by_an_interpolation_is_refused(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "overrides,pattern",
+    [
+        (  # the formatter's text would be a line of Python in every later interpreter's start
+            [
+                "+hydra.job_logging.handlers.x.class=logging.FileHandler",
+                "+hydra.job_logging.handlers.x.filename=/tmp/site-packages/zz.pth",
+            ],
+            r"^hydra\.job_logging\.handlers\.x\.filename: '/tmp/site-packages/zz\.pth' is not allowed: "
+            r".* ending in \.log",
+        ),
+        (  # the class from one file, the name from another: the name is checked wherever it is
+            ["+hydra.job_logging.handlers.x.filename=/root/.bashrc"],
+            r"^hydra\.job_logging\.handlers\.x\.filename: '/root/\.bashrc' is not allowed",
+        ),
+        (
+            ["hydra.job_logging.handlers.file.filename='/tmp/a.log\nimport os'"],
+            r"^hydra\.job_logging\.handlers\.file\.filename: .* is not allowed",
+        ),
+        (
+            ["+hydra.job_logging.handlers.file.mode=w"],
+            r"^hydra\.job_logging\.handlers\.file\.mode: 'w' is not allowed: a log file is only appended to",
+        ),
+        (
+            [
+                "+hydra.hydra_logging.handlers.r.class=logging.handlers.RotatingFileHandler",
+                "+hydra.hydra_logging.handlers.r.filename=${hydra.runtime.cwd}/evil.pth",
+            ],
+            r"^hydra\.hydra_logging\.handlers\.r\.filename: '.*/evil\.pth' is not allowed",
+        ),
+    ],
+)
+def test_a_logging_handler_from_a_config_writes_only_log_files(overrides, pattern):
+    refused(overrides, pattern)
+
+
+def test_a_log_file_in_another_directory_passes_and_a_trusted_class_writes_any_file(tmp_path):
+    gate(
+        [
+            "+hydra.job_logging.handlers.x.class=logging.handlers.WatchedFileHandler",
+            f"+hydra.job_logging.handlers.x.filename={tmp_path}/team/run.log",
+            "+hydra.job_logging.handlers.x.mode=a",
+        ]
+    )
+    source = _primary(tmp_path, "trust:\n  logging: [logging.FileHandler]\n")
+    gate(
+        [
+            "+hydra.job_logging.handlers.x.class=logging.FileHandler",
+            f"+hydra.job_logging.handlers.x.filename={tmp_path}/x.txt",
+        ],
+        source,
+    )
+
+
+def test_a_logging_handlers_attributes_cannot_be_set(tmp_path):
+    """dictConfig's '.' key sets attributes after the handler is built: its file among them."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "attr.yaml").write_text(
+        textwrap.dedent("""\
+        # @package _global_
+        hydra:
+          job_logging:
+            handlers:
+              file:
+                delay: true
+                .: {baseFilename: /tmp/site-packages/zz.pth}
+        """)
+    )
+    refused(
+        ["experiment=attr"],
+        r"^hydra\.job_logging\.handlers\.file\.'\.': setting a logging object's attributes is not allowed",
+        Source(extra_dir=str(tmp_path)),
+    )
+
+
 def test_a_hidden_override_list_from_a_config_file_is_refused(tmp_path):
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "hide.yaml").write_text(
@@ -353,6 +429,22 @@ def test_every_option_of_a_swept_group_is_checked(tmp_path, capsys):
         capsys,
     )
     assert code == 2 and err[0].startswith("error: hydra.job.env_set.PATH:"), err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_sweep_with_more_options_than_the_check_makes_is_refused(tmp_path, capsys, monkeypatch):
+    """Options past the cap would configure their jobs' logging unchecked: the sweep is refused,
+    while repeats of one option count once."""
+    monkeypatch.setattr(cli, "MAX_SWEEP_VARIANTS", 4)
+    (tmp_path / "cluster").mkdir()
+    for i in range(4):
+        (tmp_path / "cluster" / f"c{i}.yaml").write_text("# @package _global_\ncluster: {name: local}\n")
+    sweep = ["--multirun", "--config-dir", str(tmp_path), f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    cli.precheck([*sweep, "cluster=local" + ",c0" * 20 + ",c1,c2"])
+    code, err = precheck_exit([*sweep, "cluster=glob(*)"], capsys)  # local, c0-c3 and the shipped ones
+    assert code == 2 and len(err) == 1, err
+    pattern = r"^error: --multirun: checking this sweep's config group options takes \d+ compositions, more than 4;"
+    assert re.match(pattern, err[0]), err
     assert not (tmp_path / "sweep").exists()
 
 
