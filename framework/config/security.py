@@ -36,7 +36,7 @@ import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -572,9 +572,25 @@ def check_hydra(
                 f"hydra.searchpath: '{entry}' is not allowed; only file:// directories, or what the "
                 "primary config file lists"
             )
+    _check_output_subdir(h)
     # any other _target_ under hydra.* is held to the job's prefixes
     rest = _resolve_all_but(h, ("callbacks", "launcher", "sweeper"))
     check_targets_resolved(rest, job_targets, "hydra")
+
+
+def _check_output_subdir(h: DictConfig) -> None:
+    """Hydra writes config.yaml, hydra.yaml and overrides.yaml into the run dir joined with
+    ``hydra.output_subdir``: an absolute path or ``..`` would overwrite those names anywhere (the
+    user's own ``conf/config.yaml`` among them)."""
+    sub = _resolve(h, "output_subdir")
+    if sub is None:
+        return
+    parts = PurePosixPath(str(sub)).parts
+    if parts[:1] == ("/",) or ".." in parts or _CONTROL.search(str(sub)):
+        raise ConfigError(
+            f"hydra.output_subdir: {str(sub)!r} is not allowed: Hydra writes config.yaml, hydra.yaml and "
+            "overrides.yaml there, so it must be a folder inside the run directory (a relative path without '..')"
+        )
 
 
 def _raw_node(h: DictConfig, dotted: str) -> Any:

@@ -103,6 +103,8 @@ CASES = {
         ["+hydra.job_logging.handlers.x.class=logging.FileHandler", "+hydra.job_logging.handlers.x.filename={marker}"],
         r"^error: hydra\.job_logging\.handlers\.x\.filename: '.*marker' is not allowed",
     ),
+    # Hydra wrote config.yaml, hydra.yaml and overrides.yaml wherever this said (the user's conf/ too)
+    "output_subdir": (["hydra.output_subdir={marker}"], r"^error: hydra\.output_subdir: '.*marker' is not allowed"),
     # a pkg:// search-path entry imported a module of the working directory while composing
     "searchpath": (["hydra.searchpath=[pkg://evilmod]"], r"^error: hydra\.searchpath: 'pkg://evilmod' is not allowed"),
     # a _target_ inside an interpolation in a --config-dir file passed the unresolved check

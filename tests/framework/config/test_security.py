@@ -331,6 +331,17 @@ def test_a_logging_handlers_attributes_cannot_be_set(tmp_path):
     )
 
 
+@pytest.mark.parametrize("value", ["/tmp/conf", "../../conf", "meta/../../x", "${hydra.runtime.cwd}/conf"])
+def test_hydras_own_files_stay_in_the_run_dir(value):
+    """Hydra writes config.yaml, hydra.yaml and overrides.yaml into run dir / hydra.output_subdir."""
+    refused([f"hydra.output_subdir={value}"], r"^hydra\.output_subdir: '.*' is not allowed: Hydra writes config\.yaml")
+
+
+@pytest.mark.parametrize("value", ["null", "meta", "meta/hydra", "''"])
+def test_an_output_subdir_inside_the_run_dir_passes(value):
+    gate([f"hydra.output_subdir={value}"])
+
+
 def test_a_hidden_override_list_from_a_config_file_is_refused(tmp_path):
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "hide.yaml").write_text(
