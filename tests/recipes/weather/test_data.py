@@ -426,6 +426,64 @@ def test_grids_differ(copy):
     assert_data_error([path, f"({H}, {W + 2})", f"({H}, {W})", copy / "hrrr" / "2020.zarr"], lambda: make(copy))
 
 
+class _WritesMarker:
+    """Unpickling this writes ``marker`` (checked live: ``pickle.loads`` of it does, see the control below)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "unpickled"))
+
+
+def _shard_of(inner: bytes, n_inner: int) -> bytes:
+    """A shard whose ``n_inner`` chunks all hold ``inner``: the chunks, then the index ((offset,
+    nbytes) per chunk, little-endian uint64) and its crc32c, as the store's index codecs say."""
+    import google_crc32c  # zarr's own checksum dependency
+
+    index = np.array([(k * len(inner), len(inner)) for k in range(n_inner)], dtype="<u8").tobytes()
+    return inner * n_inner + index + np.uint32(google_crc32c.value(index)).tobytes()
+
+
+@pytest.mark.parametrize(
+    "name,where",
+    [("numcodecs.pickle", "array"), ("pickle", "array"), ("numcodecs.pickle", "shard")],
+    ids=["numcodecs.pickle", "pickle", "numcodecs.pickle-in-shard"],
+)
+def test_a_store_naming_a_pickle_codec_is_refused_unread(copy, monkeypatch, name, where):
+    """Stores come from others and must never run code: zarr's v3 codec registry holds no pickle
+    codec (docs/data.md), whether the array's codecs or its shards' inner codecs name it."""
+    import numcodecs.pickles
+
+    # numcodecs >= 0.16 refuses Pickle.decode by default (older ones have no switch): allowed here, so
+    # that zarr's refusal is what is tested, and a zarr that took the codec would run the payload
+    monkeypatch.setattr(numcodecs.pickles, "ALLOW_UNSAFE_PICKLE_DECODE", True, raising=False)
+    path = layout.year_store(copy, layout.HRRR, YEARS[0])  # where sample 0 is read from
+    meta_file = path / layout.DATA_VAR / "zarr.json"
+    meta = json.loads(meta_file.read_text())
+    sharding = meta["codecs"][0]["configuration"]
+    marker = copy.parent / "marker"
+    blob = pickle.dumps(_WritesMarker(marker))
+    codec = {"name": name, "configuration": {"protocol": pickle.HIGHEST_PROTOCOL}}  # as zarr writes numcodecs'
+    if where == "array":  # the chunk (the former shard) is the pickle
+        meta["codecs"] = [codec]
+        chunk_bytes = blob
+    else:  # every inner chunk of the shard is the pickle; the index is intact
+        sharding["codecs"] = [codec]
+        n_inner = int(np.prod(np.array(meta["chunk_grid"]["configuration"]["chunk_shape"]) // sharding["chunk_shape"]))
+        chunk_bytes = _shard_of(blob, n_inner)
+    meta_file.write_text(json.dumps(meta))
+    chunks = [p for p in (path / layout.DATA_VAR / "c").rglob("*") if p.is_file()]
+    assert chunks
+    for chunk in chunks:
+        chunk.write_bytes(chunk_bytes)
+    # "<store>: cannot open variable 'data' (UnknownCodecError: Unknown codec: 'numcodecs.pickle')"
+    message = assert_data_error([f"{path}: cannot open variable 'data'", f"'{name}'"], lambda: make(copy)[0])
+    assert not marker.exists(), message
+    pickle.loads(blob)  # the control: the same bytes, unpickled, do write the marker
+    assert marker.read_text() == "unpickled"
+
+
 # ---------------------------------------------------------------- learnability
 
 

@@ -545,6 +545,65 @@ def test_missing_samples_pickle_calling_a_named_global_is_refused(tmp_path, payl
         pn.load_missing_hours(evil)
 
 
+class _WritesMarker:
+    """Unpickling this writes ``marker`` (checked live: ``pickle.loads`` of it does, see the control below)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "unpickled"))
+
+
+PICKLE_ZARRAY = {
+    # an object coordinate (as xarray writes strings), read whole when the store is checked
+    "object-coordinate": ("channel", {"dtype": "|O", "filters": [{"id": "pickle"}], "compressor": None}),
+    # the data, float as the reader asks, decoded by a sample read
+    "float-data": ("HRRR", {"dtype": "<f4", "filters": None, "compressor": {"id": "pickle"}}),
+}
+
+
+@pytest.mark.parametrize("consolidated", [True, False], ids=["consolidated", "plain"])
+@pytest.mark.parametrize("case", list(PICKLE_ZARRAY))
+def test_a_store_naming_the_pickle_codec_is_refused_unread(ref, tmp_path, monkeypatch, case, consolidated):
+    """Stores come from others and must never run code: zarr 3.1 refuses a v2 array whose
+    metadata names numcodecs' ``pickle`` codec (docs/data.md), so its chunks are never unpickled."""
+    import numcodecs.pickles
+
+    # numcodecs >= 0.16 refuses Pickle.decode by default (older ones have no switch): allowed here, so
+    # that zarr's own refusal is what is tested, and a zarr that took the codec would run the payload
+    monkeypatch.setattr(numcodecs.pickles, "ALLOW_UNSAFE_PICKLE_DECODE", True, raising=False)
+    var, codec = PICKLE_ZARRAY[case]
+    root = Path(shutil.copytree(ref["root"], tmp_path / "data"))
+    store = root / "hrrr_v3" / "train" / "more" / "2021.zarr"
+    zarray = json.loads((store / var / ".zarray").read_text()) | codec | {"fill_value": None}
+    (store / var / ".zarray").write_text(json.dumps(zarray))
+    if consolidated:
+        zmeta = json.loads((store / ".zmetadata").read_text())
+        zmeta["metadata"][f"{var}/.zarray"] = zarray
+        (store / ".zmetadata").write_text(json.dumps(zmeta))
+    else:
+        (store / ".zmetadata").unlink()
+    marker = tmp_path / "marker"
+    blob = pickle.dumps(_WritesMarker(marker))  # no compressor but pickle: the chunk's bytes are the pickle
+    chunks = [p for p in (store / var).iterdir() if not p.name.startswith(".")]
+    assert chunks
+    for chunk in chunks:
+        chunk.write_bytes(blob)
+    with pytest.raises(DataError) as info:
+        make(root, [2021])[0]
+    message = str(info.value)
+    # consolidated: "<store>: cannot open the HRRR 2021 store as a zarr group (ValueError: No Zarr data
+    # type found that matches {'name': '|O', 'object_codec_id': 'pickle'})"; plain: "<store>: cannot
+    # open variable 'channel' (ValueError: ...)"
+    assert "\n" not in message and info.value.exit_code == 3
+    assert message.startswith(f"{store}: cannot open") and "'pickle'" in message, message
+    assert consolidated or f"variable '{var}'" in message, message
+    assert not marker.exists()
+    pickle.loads(blob)  # the control: the same bytes, unpickled, do write the marker
+    assert marker.read_text() == "unpickled"
+
+
 # ------------------------------------------------------------------ synthetic data in the reference layout
 
 SYN = dict(height=16, width=16, hours_per_year=30, years=(2020, 2021), row_chunk=8)
