@@ -416,13 +416,10 @@ def _traced(run, bands: list[int], micro: int, path: tuple[str, str]) -> _Traced
 
 def _step_shape(run, d: Degrees) -> tuple[int, int, list[int]]:
     """(samples per rank, samples per micro-step, rows per domain rank ([]: the whole field))."""
-    batch = run.data.batch_size
-    if batch % d.dp:
-        raise ConfigError(f"data.batch_size={batch} is not divisible by {d.dp} data-parallel ranks")
-    per_rank = batch // d.dp
-    micro = per_rank // run.trainer.grad_accum
-    if micro < 1:
-        raise ConfigError(f"trainer.grad_accum={run.trainer.grad_accum}: {per_rank} samples per rank are too few")
+    from framework.data.sampler import micro_batch
+
+    micro = micro_batch(run.data.batch_size, d.dp, run.trainer.grad_accum)
+    per_rank = micro * run.trainer.grad_accum
     bands: list[int] = []
     if d.domain > 1:
         from framework.domain.comm import split_extents

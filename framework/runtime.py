@@ -19,6 +19,7 @@ import torch
 
 from framework import registry
 from framework.checkpoint.manager import CheckpointManager
+from framework.data.sampler import micro_batch
 from framework.distributed import collectives
 from framework.distributed import env as dist_env
 from framework.distributed import mesh as mesh_mod
@@ -124,6 +125,7 @@ def is_comm_failure(e: BaseException) -> bool:
 
 
 def _check_layout(run, degrees) -> None:
+    micro_batch(run.data.batch_size, degrees.dp, run.trainer.grad_accum)
     if run.sharding.name == "none" and degrees.world > 1:
         raise ConfigError(
             f"sharding=none on {degrees.world} ranks would train {degrees.world} unsynchronised "

@@ -13,6 +13,21 @@ import torch
 from framework.errors import ConfigError
 
 
+def micro_batch(global_batch: int, dp_size: int, grad_accum: int) -> int:
+    """Samples per forward on each rank: ``data.batch_size`` split over the data-parallel ranks,
+    then into ``trainer.grad_accum`` equal micro-batches (a remainder would never be trained on)."""
+    if global_batch % dp_size:
+        raise ConfigError(f"data.batch_size: {global_batch} is not divisible by the {dp_size} data-parallel ranks")
+    per_rank = global_batch // dp_size
+    if per_rank % grad_accum:
+        where = f" ({global_batch} over {dp_size} data-parallel ranks)" if dp_size > 1 else ""
+        raise ConfigError(
+            f"trainer.grad_accum={grad_accum}: the {per_rank} samples per rank{where} do not split into "
+            f"{grad_accum} equal micro-batches; make data.batch_size a multiple of {grad_accum * dp_size}"
+        )
+    return per_rank // grad_accum
+
+
 class GlobalBatchSampler(torch.utils.data.Sampler):
     def __init__(
         self,

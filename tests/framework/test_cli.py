@@ -229,6 +229,16 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, args, pattern):
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
+@pytest.mark.parametrize("accum", [3, 5])  # 3: two samples a step went untrained; 5: empty micro-batches, NaN
+def test_micro_batches_that_do_not_split_the_batch_are_one_line_and_exit_2(tmp_path, accum):
+    over = tiny_overrides(tmp_path, tmp_path / "data", **{"trainer.max_steps": 2, "checkpoint": "none"})
+    proc = run_cli([*over, "data.batch_size=4", f"trainer.grad_accum={accum}"], cwd=tmp_path)
+    assert_one_line_error(
+        proc, 2, rf"^error: trainer\.grad_accum={accum}: the 4 samples per rank do not split into {accum} equal"
+    )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before a step
+
+
 def test_bad_data_is_one_line_and_exit_3(tmp_path):
     from recipes.weather.synthetic import write_synthetic
 

@@ -253,8 +253,8 @@ def test_auto_takes_the_smallest_fitting_domain_degree_then_ddp_else_fsdp2():
     chosen, reasons = plan.choose(run, roomy)
     assert chosen.layout == ddp.layout and chosen.fits
     assert reasons == [
-        "not ddp 1x4x1: data.batch_size=2 is not divisible by 4 data-parallel ranks",
-        "not fsdp2 1x4x1: data.batch_size=2 is not divisible by 4 data-parallel ranks",
+        "not ddp 1x4x1: data.batch_size: 2 is not divisible by the 4 data-parallel ranks",
+        "not fsdp2 1x4x1: data.batch_size: 2 is not divisible by the 4 data-parallel ranks",
     ]
 
     tight = plan.Machine(4, 4, int((ddp.need + fsdp.need) / 2 / 0.9))  # ddp does not fit, fsdp2 does
@@ -278,7 +278,7 @@ def test_auto_at_start_up_sets_the_layout_and_logs_why(caplog):
     assert (degrees.dp_shard, degrees.domain, chosen.sharding.name, chosen.splitter.name) == (2, 2, "ddp", "rows")
     assert chosen.raw.parallel.domain == 2 and chosen.raw.sharding.name == "ddp"  # saved with checkpoints
     log = caplog.text
-    assert "parallel=auto: ddp 1x2x2" in log and "not ddp 1x4x1: data.batch_size=2 is not divisible" in log
+    assert "parallel=auto: ddp 1x2x2" in log and "not ddp 1x4x1: data.batch_size: 2 is not divisible" in log
 
 
 # -- the command line ---------------------------------------------------------------------------

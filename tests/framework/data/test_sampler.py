@@ -51,3 +51,17 @@ def test_shard_range_covers_everything_once():
         for size in (1, 2, 3, 5):
             parts = [list(shard_range(n, r, size)) for r in range(size)]
             assert [i for p in parts for i in p] == list(range(n))
+
+
+def test_micro_batches_split_each_ranks_samples_evenly():
+    from framework.data.sampler import micro_batch
+
+    assert micro_batch(8, 2, 2) == 2 and micro_batch(8, 1, 8) == 1
+    with pytest.raises(ConfigError, match=r"^data\.batch_size: 6 is not divisible by the 4 data-parallel ranks"):
+        micro_batch(6, 4, 1)
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer\.grad_accum=3: the 4 samples per rank \(8 over 2 data-parallel ranks\) do not split into 3 "
+        r"equal micro-batches; make data\.batch_size a multiple of 6$",
+    ):
+        micro_batch(8, 2, 3)
