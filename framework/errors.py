@@ -41,3 +41,9 @@ class DistributedError(FrameworkError):
 
 
 EXIT_INTERRUPTED = 130  # second Ctrl-C: KeyboardInterrupt, no checkpoint
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first line (its type where it has no text): what a one-line error quotes."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

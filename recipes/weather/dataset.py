@@ -63,7 +63,7 @@ import torch
 import zarr
 from torch.utils.data import Dataset
 
-from framework.errors import ConfigError, DataError
+from framework.errors import ConfigError, DataError, first_line
 from recipes.weather import layout
 from recipes.weather import physicsnemo_layout as pn
 from recipes.weather.layout import LAYOUT_CHOICES, PHYSICSNEMO, STORMCAST
@@ -748,12 +748,19 @@ class HrrrEra5Dataset(Dataset):
         h, w = rows.stop - rows.start, self.grid[1]
         if len(idx) == 0:
             return torch.zeros((len(ts), 0, h, w), dtype=torch.float32)
-        if src == self._background and self.layout == layout.PHYSICSNEMO:
-            ys, xs, flat, weights = self._interp.band(rows)
-            window = self._read_channels(arr, ts, idx, ys, xs)
-            x = torch.from_numpy(np.stack([pn.LatLonBilinear.apply(win, flat, weights, (h, w)) for win in window]))
+        interp = src == self._background and self.layout == layout.PHYSICSNEMO
+        ys, xs, flat, weights = self._interp.band(rows) if interp else (rows, slice(0, w), None, None)
+        try:
+            raw = self._read_channels(arr, ts, idx, ys, xs)
+        except (ValueError, RuntimeError, OSError, EOFError) as e:  # a chunk zarr cannot decode (a checksum, a codec)
+            raise DataError(
+                f"{self._paths[src][k]}: variable '{self._var[src]}' cannot be read at time indices "
+                f"{int(ts[0])}-{int(ts[-1])} (a damaged chunk? {type(e).__name__}: {first_line(e)})"
+            ) from None
+        if interp:
+            x = torch.from_numpy(np.stack([pn.LatLonBilinear.apply(win, flat, weights, (h, w)) for win in raw]))
         else:
-            x = torch.from_numpy(self._read_channels(arr, ts, idx, rows, slice(0, w)))
+            x = torch.from_numpy(raw)
         finite = torch.isfinite(x).flatten(2).all(2)
         if not bool(finite.all()):
             j, c = (int(v) for v in (~finite).nonzero()[0])

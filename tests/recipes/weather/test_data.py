@@ -426,6 +426,20 @@ def test_grids_differ(copy):
     assert_data_error([path, f"({H}, {W + 2})", f"({H}, {W})", copy / "hrrr" / "2020.zarr"], lambda: make(copy))
 
 
+@pytest.mark.parametrize("damage", ["truncated", "index"])
+def test_a_damaged_chunk_is_one_line_naming_the_store(copy, damage):
+    """A chunk that zarr cannot decode (its checksum, its codec) is a data error, not a traceback."""
+    path = layout.year_store(copy, layout.HRRR, YEARS[0])
+    chunks = sorted(p for p in (path / layout.DATA_VAR / "c").rglob("*") if p.is_file())
+    for chunk in chunks:  # sample 0 reads the first; damage them all
+        data = chunk.read_bytes()
+        # "index": a bit of the shard's chunk index flipped, which its checksum catches
+        chunk.write_bytes(data[:100] if damage == "truncated" else data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+    assert_data_error(
+        [f"{path}: variable 'data' cannot be read at time indices", "a damaged chunk?"], lambda: make(copy)[0]
+    )
+
+
 class _WritesMarker:
     """Unpickling this writes ``marker`` (checked live: ``pickle.loads`` of it does, see the control below)."""
 
