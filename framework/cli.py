@@ -324,6 +324,9 @@ def _precheck_dirs(cfg, run, multirun: bool) -> None:
 
     from framework import rundir
 
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if not str(OmegaConf.select(cfg, key) or "").strip():  # Hydra would take the working directory
+        raise ConfigError(f"{key}: empty (an unset variable?); name the directory the run writes to")
     if multirun:
         rundir.creatable_dir(OmegaConf.select(cfg, "hydra.sweep.dir"), "hydra.sweep.dir")
         return

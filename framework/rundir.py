@@ -338,6 +338,16 @@ def _writable_dir(path: Path, key: str) -> None:
             raise RunDirError(f"{key}: {path} cannot be created: {anchor} is not a directory")
         if not os.access(anchor, os.W_OK | os.X_OK):
             raise RunDirError(f"{key}: {path} cannot be created: {anchor} is not writable")
+        # Access bits do not tell a read-only mount, /sys (EPERM) or /proc (ENOENT): make the
+        # first missing folder and remove it again, so the run's own attempt cannot fail later.
+        probe = anchor / path.relative_to(anchor).parts[0]
+        try:
+            probe.mkdir()
+        except FileExistsError:  # made meanwhile by someone else: it exists
+            return
+        except OSError as e:
+            raise RunDirError(f"{key}: {path} cannot be created: {e.strerror or e} ({probe})") from None
+        probe.rmdir()
         return
     if not os.access(path, os.W_OK | os.X_OK):
         raise RunDirError(f"{key}: {path} is not writable")
@@ -346,7 +356,8 @@ def _writable_dir(path: Path, key: str) -> None:
 def preflight(
     run_dir: str | Path, *, checkpoints: bool = True, resume: str | None = None, key: str = "hydra.run.dir"
 ) -> None:
-    """Every I/O fault of the run dir that would otherwise surface later (reads only)."""
+    """Every I/O fault of the run dir that would otherwise surface later (reads only, but for a
+    missing folder made and removed again to be sure it can be)."""
     run_dir = Path(run_dir)
     _writable_dir(run_dir, key)
     if run_dir.is_dir():

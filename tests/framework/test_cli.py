@@ -229,6 +229,15 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, args, pattern):
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
+@pytest.mark.parametrize("args", [["hydra.run.dir="], ["--multirun", "hydra.sweep.dir= ", "optim.lr=1e-3,2e-3"]])
+def test_an_empty_run_dir_is_refused_not_the_working_directory(tmp_path, args):
+    """hydra.run.dir=$UNSET would make Hydra write the run into the working directory."""
+    proc = run_cli(args, cwd=tmp_path)
+    key = "sweep" if "--multirun" in args else "run"
+    assert_one_line_error(proc, 2, rf"^error: hydra\.{key}\.dir: empty \(an unset variable\?\); name the directory")
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("accum", [3, 5])  # 3: two samples a step went untrained; 5: empty micro-batches, NaN
 def test_micro_batches_that_do_not_split_the_batch_are_one_line_and_exit_2(tmp_path, accum):
     over = tiny_overrides(tmp_path, tmp_path / "data", **{"trainer.max_steps": 2, "checkpoint": "none"})

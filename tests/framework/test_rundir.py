@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 
@@ -190,6 +191,27 @@ def test_preflight_reports_an_unwritable_dir(tmp_path, monkeypatch):
         rundir.preflight(tmp_path)
     with pytest.raises(RunDirError, match=r"cannot be created: .* is not writable"):
         rundir.preflight(tmp_path / "new" / "run")
+
+
+def test_preflight_makes_sure_a_missing_dir_can_be_made(tmp_path, monkeypatch):
+    """Access bits pass where the kernel still refuses (/sys: EPERM, /proc: ENOENT, a read-only
+    mount): the first missing folder is made and removed again."""
+    real = Path.mkdir
+
+    def refuse(self, *a, **k):
+        if self == tmp_path / "ro":
+            raise OSError(30, "Read-only file system")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(
+        RunDirError, match=r"^hydra\.run\.dir: .*/ro/run cannot be created: Read-only file system \(.*/ro\)$"
+    ):
+        rundir.preflight(tmp_path / "ro" / "run")
+    rundir.preflight(tmp_path / "rw" / "run")
+    assert not (tmp_path / "rw").exists()  # made and removed: the check leaves nothing
+    if Path("/proc/self").is_dir():  # the real thing where there is one
+        assert "cannot be created: No such file or directory" in rundir.dir_problem("/proc/run", create=True)
 
 
 def test_readable_dir(tmp_path, monkeypatch):
