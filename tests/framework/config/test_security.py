@@ -38,6 +38,13 @@ def refused(overrides, pattern, source=None):
     assert "\n" not in str(info.value) and info.value.exit_code == 2
 
 
+def group_file(root, group: str, name: str, text: str) -> Source:
+    """A config file ``root/group/name.yaml`` (a --config-dir of someone else's files)."""
+    (root / group).mkdir(exist_ok=True)
+    (root / group / f"{name}.yaml").write_text(textwrap.dedent(text))
+    return Source(extra_dir=str(root))
+
+
 def precheck_exit(argv, capsys):
     with pytest.raises(SystemExit) as info:
         cli.precheck(argv)
@@ -191,16 +198,18 @@ def test_values_equal_to_a_framework_preset_pass(tmp_path):
     """A site preset in conf/cluster may set env_set and setup lines: the same values pass, others do not."""
     from omegaconf import open_dict, read_write
 
-    (tmp_path / "cluster").mkdir()
-    (tmp_path / "cluster" / "site.yaml").write_text(
-        textwrap.dedent("""\
+    group_file(
+        tmp_path,
+        "cluster",
+        "site",
+        """\
         # @package _global_
         hydra:
           job:
             env_set: {NCCL_DEBUG: INFO}
           launcher:
             setup: [module load cuda]
-        """)
+        """,
     )
     presets = security.Presets.load(tmp_path)
 
@@ -240,14 +249,16 @@ def test_overrides_acting_during_composition_are_refused_before_it(overrides, pa
 
 
 def test_a_logging_node_built_by_an_interpolation_is_refused(tmp_path):
-    (tmp_path / "experiment").mkdir()
-    (tmp_path / "experiment" / "log.yaml").write_text(
-        textwrap.dedent("""\
+    group_file(
+        tmp_path,
+        "experiment",
+        "log",
+        """\
         # @package _global_
         hydra:
           job_logging:
             handlers: '${oc.create:"{x: {class: zipfile.ZipFile, file: /tmp/m, mode: w}}"}'
-        """)
+        """,
     )
     refused(
         ["experiment=log"],
@@ -312,9 +323,11 @@ def test_a_log_file_in_another_directory_passes_and_a_trusted_class_writes_any_f
 
 def test_a_logging_handlers_attributes_cannot_be_set(tmp_path):
     """dictConfig's '.' key sets attributes after the handler is built: its file among them."""
-    (tmp_path / "experiment").mkdir()
-    (tmp_path / "experiment" / "attr.yaml").write_text(
-        textwrap.dedent("""\
+    group_file(
+        tmp_path,
+        "experiment",
+        "attr",
+        """\
         # @package _global_
         hydra:
           job_logging:
@@ -322,7 +335,7 @@ def test_a_logging_handlers_attributes_cannot_be_set(tmp_path):
               file:
                 delay: true
                 .: {baseFilename: /tmp/site-packages/zz.pth}
-        """)
+        """,
     )
     refused(
         ["experiment=attr"],
@@ -343,14 +356,16 @@ def test_an_output_subdir_inside_the_run_dir_passes(value):
 
 
 def test_a_hidden_override_list_from_a_config_file_is_refused(tmp_path):
-    (tmp_path / "experiment").mkdir()
-    (tmp_path / "experiment" / "hide.yaml").write_text(
-        textwrap.dedent("""\
+    group_file(
+        tmp_path,
+        "experiment",
+        "hide",
+        """\
         # @package _global_
         hydra:
           overrides:
             hydra: ['+hydra.job.env_set.PATH=/tmp/evil']
-        """)
+        """,
     )
     refused(["experiment=hide"], r"^hydra\.overrides: set by a config file", Source(extra_dir=str(tmp_path)))
 
@@ -420,15 +435,17 @@ def test_trust_in_conf_dir_of_another_name_is_not_the_primary(tmp_path):
 
 # -- a sweep ----------------------------------------------------------------------------------------
 def test_every_option_of_a_swept_group_is_checked(tmp_path, capsys):
-    (tmp_path / "cluster").mkdir()
-    (tmp_path / "cluster" / "evil.yaml").write_text(
-        textwrap.dedent("""\
+    group_file(
+        tmp_path,
+        "cluster",
+        "evil",
+        """\
         # @package _global_
         cluster: {name: local}
         hydra:
           job:
             env_set: {PATH: /tmp/evil}
-        """)
+        """,
     )
     code, err = precheck_exit(
         ["--multirun", "--config-dir", str(tmp_path), "cluster=local,evil", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
