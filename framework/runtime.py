@@ -102,6 +102,7 @@ def run_job(run, run_dir: Path) -> JobResult:
 
         run = apply_auto(run, env.world_size, env.is_main)
     degrees = mesh_mod.resolve(run.parallel, env.world_size)  # config error before any group
+    micro_batch(run.data.batch_size, degrees.dp, run.trainer.grad_accum)  # even micro-batches on every rank
     _check_layout(run, degrees)
     device = dist_env.pick_device(run.device, env)
     with dist_env.process_group(env, device, run.parallel.timeout_s):
@@ -125,7 +126,6 @@ def is_comm_failure(e: BaseException) -> bool:
 
 
 def _check_layout(run, degrees) -> None:
-    micro_batch(run.data.batch_size, degrees.dp, run.trainer.grad_accum)
     if run.sharding.name == "none" and degrees.world > 1:
         raise ConfigError(
             f"sharding=none on {degrees.world} ranks would train {degrees.world} unsynchronised "
