@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NoReturn, cast
 
 from framework.config import resolvers
 from framework.config.compose import CONF_DIR, Source, hydra_message  # noqa: F401  (CONF_DIR: tests, tools)
-from framework.errors import EXIT_INTERRUPTED, ConfigError, FrameworkError
+from framework.errors import EXIT_INTERRUPTED, ConfigError, FrameworkError, first_line
 
 if TYPE_CHECKING:
     from framework.runtime import JobResult
@@ -180,7 +180,7 @@ def check_composed(cfg, source: Source, passed: list[str], *, multirun: bool):
         if multirun:
             out = os.path.join(str(out), str(OmegaConf.select(cfg, "hydra.sweep.subdir")))
     except Exception as e:  # noqa: BLE001  (an OmegaConf error naming the key)
-        raise ConfigError(f"{key}: {_first_line(e)}") from None
+        raise ConfigError(f"{key}: {first_line(e)}") from None
     with read_write(cfg.hydra), open_dict(cfg.hydra):
         cfg.hydra.runtime.output_dir = os.path.abspath(str(out))
     HydraConfig.instance().set_config(cfg)
@@ -348,11 +348,6 @@ def _clear_hydra_config() -> None:
         HydraConfig.instance().cfg = None  # Hydra sets its own when the job starts
     except Exception:  # noqa: BLE001, S110  (nothing was set)
         pass
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 # -- the job -------------------------------------------------------------------------------------

@@ -347,7 +347,10 @@ def _writable_dir(path: Path, key: str) -> None:
             return
         except OSError as e:
             raise RunDirError(f"{key}: {path} cannot be created: {e.strerror or e} ({probe})") from None
-        probe.rmdir()
+        try:
+            probe.rmdir()
+        except OSError:  # another rank or process is filling it already: it exists
+            pass
         return
     if not os.access(path, os.W_OK | os.X_OK):
         raise RunDirError(f"{key}: {path} is not writable")

@@ -42,7 +42,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, first_line
 
 # Hydra's own launchers/sweeper, and the launcher plugin the cluster presets select.
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
@@ -274,7 +274,7 @@ def trust_from_file(path: str | Path | None) -> Trust:
     try:
         raw = OmegaConf.load(str(path))
     except (OSError, OmegaConfBaseException, ValueError) as e:
-        raise ConfigError(f"cannot read the primary config {path}: {_first_line(e)}") from None
+        raise ConfigError(f"cannot read the primary config {path}: {first_line(e)}") from None
     if not isinstance(raw, DictConfig) or "trust" not in raw:
         return Trust(source=str(path))
     return _trust_node(OmegaConf.to_container(raw._get_node("trust"), resolve=False), str(path))
@@ -416,7 +416,7 @@ def locate(name: str, allowed: tuple[str, ...], key: str) -> Any:
     except ConfigError:
         raise
     except Exception as e:  # ImportError, AttributeError, or the module's own error
-        raise ConfigError(f"{key}: target '{name}' cannot be found ({_first_line(e)})") from None
+        raise ConfigError(f"{key}: target '{name}' cannot be found ({first_line(e)})") from None
     if not (inspect.isclass(obj) or inspect.isroutine(obj)) or not _defined_under(obj, allowed, name):
         raise ConfigError(refuse)
     return obj
@@ -663,7 +663,7 @@ def _resolve(h: DictConfig, sub: str) -> Any:
         return node
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or f"hydra.{sub}"
-        raise ConfigError(f"{key}: {_first_line(e)}") from None
+        raise ConfigError(f"{key}: {first_line(e)}") from None
 
 
 def _resolve_all_but(h: DictConfig, skip: tuple[str, ...]) -> dict:
@@ -941,8 +941,3 @@ def _check_logging(node: Any, path: str, trust: Trust) -> None:
                 f"{path}: '{value}' is not allowed (ext:// imports a module; only ext://sys.stdout "
                 "and ext://sys.stderr)"
             )
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from framework import registry
 from framework.config.schema import FIXED, Invalid, TopConfig
 from framework.config.security import Trust, check_targets_resolved, check_targets_unresolved, target_prefixes
-from framework.errors import ConfigError
+from framework.errors import ConfigError, first_line
 
 # Group node -> the registry whose entry (selected by the node's ``name``) owns its schema.
 REGISTRY_GROUPS = {
@@ -65,13 +65,8 @@ def check_targets(cfg: DictConfig, trust: Trust | None = None) -> None:
         plain = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
-        raise ConfigError(f"{key or 'config'}: {_first_line(e)}") from None
+        raise ConfigError(f"{key or 'config'}: {first_line(e)}") from None
     check_targets_resolved(plain, allowed, skip=("hydra",))
-
-
-def _first_line(e: Exception) -> str:
-    msg = str(e).strip().splitlines()
-    return msg[0] if msg else type(e).__name__
 
 
 def _typed(group: str, schema: type, node: DictConfig):
@@ -80,7 +75,7 @@ def _typed(group: str, schema: type, node: DictConfig):
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or getattr(e, "key", None)
         where = ".".join(str(x) for x in (group, key) if x) or "config"
-        raise ConfigError(f"{where}: {_first_line(e)}") from None
+        raise ConfigError(f"{where}: {first_line(e)}") from None
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         key = ".".join(x for x in (group, missing[0]) if x)
@@ -90,7 +85,7 @@ def _typed(group: str, schema: type, node: DictConfig):
     except Invalid as e:
         raise ConfigError(f"{'.'.join(x for x in (group, e.key) if x)}: {e.msg}") from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{group}: {_first_line(e)}") from None
+        raise ConfigError(f"{group}: {first_line(e)}") from None
 
 
 def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
@@ -101,7 +96,7 @@ def validate(cfg: DictConfig, trust: Trust | None = None) -> RunConfig:
         plain = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
-        raise ConfigError(f"{key or 'config'}: {_first_line(e)}") from None
+        raise ConfigError(f"{key or 'config'}: {first_line(e)}") from None
     assert isinstance(plain, dict)  # a DictConfig converts to a dict
     plain.pop("hydra", None)
     plain.pop("trust", None)  # checked against the primary config file by framework.cli

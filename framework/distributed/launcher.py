@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from framework.errors import first_line
+
 
 def die_with_launcher() -> None:
     """Under torchrun, die when the launcher dies.
@@ -168,7 +170,7 @@ def _launch(self, job_overrides, initial_job_idx):
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
         executor.update_parameters(**rest)
     except (ValueError, TypeError) as e:  # a field submitit does not know
-        _exit(f"hydra.launcher: {_first_line(e)}", EXIT_CONFIG)
+        _exit(f"hydra.launcher: {first_line(e)}", EXIT_CONFIG)
     log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {self.config.hydra.sweep.dir}")
     sweep_dir = Path(str(self.config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -201,11 +203,6 @@ def _launch(self, job_overrides, initial_job_idx):
         )
         _exit(f"job {job.job_id} (#{initial_job_idx + i}) failed: {message}; log: {where}{more}", code)
     return [out for out in outcomes]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def _refusal(said: str, params: dict) -> tuple[str, int]:
@@ -318,7 +315,7 @@ def _failure(job, out) -> tuple[str, int, str] | None:
     value = out._return_value
     if isinstance(value, JobFailed):
         return value.message, value.exit_code, value.log or log
-    return f"{type(value).__name__}: {_first_line(value)}", 1, log
+    return f"{type(value).__name__}: {first_line(value)}", 1, log
 
 
 def _last_line(path) -> str:
