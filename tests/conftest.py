@@ -14,6 +14,17 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+class MarkerPayload:
+    """A hostile pickle's stand-in: unpickling it calls ``open(marker, "w")``, so a file appears
+    if anything ever runs it (tests show it does when unpickled plainly)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
 _OWN_CACHE: list[str] = []  # the cache dir this process made (xdist workers inherit the controller's)
 
 

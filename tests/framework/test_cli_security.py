@@ -8,11 +8,10 @@ config, hydra.* included (verified against the previous cli.py).
 import pickle
 import re
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, tiny_overrides
+from tests.conftest import MarkerPayload, run_cli, tiny_overrides
 
 EVILMOD = """\
 import pathlib
@@ -20,14 +19,6 @@ pathlib.Path({marker!r}).write_text("imported")
 def x(*a, **k):
     pathlib.Path({marker!r}).write_text("called")
 """
-
-
-class _Payload:
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return Path.write_text, (Path(self.path), "unpickled")
 
 
 def _setup(tmp_path, case, marker):
@@ -52,7 +43,7 @@ def _setup(tmp_path, case, marker):
               x: {{class: zipfile.ZipFile, file: {marker}, mode: w}}
         """)
     )
-    (tmp_path / "config.pickle").write_bytes(pickle.dumps(_Payload(str(marker))))
+    (tmp_path / "config.pickle").write_bytes(pickle.dumps(MarkerPayload(marker)))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     squeue = bin_dir / "squeue"

@@ -25,6 +25,7 @@ from recipes.stormcast.songunet import SongUNet
 from recipes.stormscope.dit import DiT
 from recipes.weather import mdlus
 from recipes.weather.edm import EDMPrecond
+from tests.conftest import MarkerPayload
 
 GRID = (32, 48)
 CHANNELS = {"hrrr_channels": ["u10m", "v10m", "t2m"], "era5_channels": ["u850"], "invariants": ["lsm"]}
@@ -565,29 +566,19 @@ def test_name_mapping_is_one_to_one_for_the_paper_models(kind):
 # -- refusals -----------------------------------------------------------------------------------
 
 
-class Crafted:
-    """Unpickling this calls open(marker, "w"): a file appears if the pickle ever runs."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def _crafted_torch(marker):
     buf = io.BytesIO()
-    torch.save({"model.spatial_emb": Crafted(marker)}, buf)
+    torch.save({"model.spatial_emb": MarkerPayload(marker)}, buf)
     return buf.getvalue()
 
 
 def test_crafted_pickles_are_refused_in_one_line_and_never_run(tmp_path):
     marker = tmp_path / "marker"
-    pickle.loads(pickle.dumps(Crafted(tmp_path / "proof")))  # the payload works when unpickled...
+    pickle.loads(pickle.dumps(MarkerPayload(tmp_path / "proof")))  # the payload works when unpickled...
     assert (tmp_path / "proof").exists()
     model = regression_model()
     sd, args, meta = regression_archive(model)
-    for i, payload in enumerate((_crafted_torch(marker), pickle.dumps({"w": Crafted(marker)}))):
+    for i, payload in enumerate((_crafted_torch(marker), pickle.dumps({"w": MarkerPayload(marker)}))):
         for fmt in ("zip", "tar"):
             path = save_like_physicsnemo(
                 tmp_path / f"bomb{i}.{fmt}.mdlus", sd, args, meta, fmt=fmt, members=lambda f: f | {"model.pt": payload}
