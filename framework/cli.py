@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NoReturn, cast
 
 from framework.config import resolvers
 from framework.config.compose import CONF_DIR, Source, hydra_message  # noqa: F401  (CONF_DIR: tests, tools)
-from framework.errors import EXIT_INTERRUPTED, ConfigError, FrameworkError, first_line
+from framework.errors import EXIT_INTERRUPTED, ConfigError, FrameworkError, Terminated, first_line
 
 if TYPE_CHECKING:
     from framework.runtime import JobResult
@@ -372,26 +372,33 @@ def main(cfg) -> dict | JobResult:
         result = run_job(run, run_dir=run_dir)
         code, steps = 0, result.get("steps")
         return result
+    except Terminated as e:
+        _abort(f"{e.prefix}: {e}", e.exit_code, history, lock)
     except FrameworkError as e:
         code = e.exit_code
         _fail_job(e)
     except KeyboardInterrupt:
-        # The abort is the message: the process ends here, before interpreter shutdown runs
-        # what the abort cut short (zarr's event loop, a coroutine never awaited, a worker's
-        # pipe), whose complaints would print after this line. The lock and logs go first.
-        if history is not None:
-            history.end(EXIT_INTERRUPTED)
-        if lock is not None:
-            lock.release()
-        logging.shutdown()
-        print("interrupted", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(EXIT_INTERRUPTED)
+        _abort("interrupted", EXIT_INTERRUPTED, history, lock)
     finally:
         if history is not None:
             history.end(code, steps)
         if lock is not None:
             lock.release()
+
+
+def _abort(line: str, code: int, history, lock) -> NoReturn:
+    """End at once after an abort (Ctrl-C, SIGTERM before training): the line is the message, and
+    the process ends before interpreter shutdown runs what the abort cut short (zarr's event
+    loop, a coroutine never awaited, a worker's pipe), whose complaints would print after it.
+    The history and the lock go first."""
+    if history is not None:
+        history.end(code)
+    if lock is not None:
+        lock.release()
+    logging.shutdown()
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def _fail_job(e: FrameworkError) -> NoReturn:

@@ -11,7 +11,15 @@
 - 75: stopped early with a checkpoint (SIGUSR2, SIGTERM, the first Ctrl-C, the wall-time
   margin): run again to resume (EX_TEMPFAIL)
 - 130: interrupted without a checkpoint (a second Ctrl-C, or Ctrl-C before training started)
+- 143: SIGTERM while writing the synthetic stores (:func:`sigterm_raises`)
 """
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 
 
 class FrameworkError(Exception):
@@ -41,6 +49,37 @@ class DistributedError(FrameworkError):
 
 
 EXIT_INTERRUPTED = 130  # second Ctrl-C: KeyboardInterrupt, no checkpoint
+
+
+class Terminated(FrameworkError):
+    """SIGTERM during work that has nothing to checkpoint: exit 143 (the shell's 128 + 15)."""
+
+    exit_code = 128 + signal.SIGTERM
+    prefix = "terminated"
+
+
+@contextlib.contextmanager
+def sigterm_raises(what: str) -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` ("terminated: SIGTERM while <what>")
+    instead of ending the process at once, so that the block's own cleanup (a temporary
+    directory's removal) runs. Only in the main thread and where SIGTERM still has its default
+    action: a handler already there (training's stop request, submitit's) is left alone. For
+    local work with no collective inside, which a raise could desert."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        yield
+        return
+
+    def _raise(signum, frame) -> None:
+        raise Terminated(f"SIGTERM while {what}")
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def first_line(e: BaseException) -> str:

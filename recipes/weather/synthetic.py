@@ -67,6 +67,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from framework.errors import Terminated, sigterm_raises
 from recipes.weather import layout
 
 DEFAULT_HRRR_CHANNELS = ("u10m", "v10m", "t2m", "msl")
@@ -714,13 +715,25 @@ def _write(root, **kwargs) -> tuple[Path, bool]:
     if _check_existing(root, params):
         return root, False
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
-    try:
-        _build(tmp, params)
-        return root, _publish(tmp, root, params)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    # SIGTERM (a scheduler's cancel, torchrun stopping its workers) raises here, so that the
+    # partial copy is removed; kill -9 leaves it (a hidden .tmp- sibling, never read)
+    with sigterm_raises(f"writing the synthetic stores at {root} (the partial copy was removed)"):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+        try:
+            _build(tmp, params)
+            return root, _publish(tmp, root, params)
+        finally:
+            _remove(tmp)
+
+
+def _remove(tmp: Path) -> None:
+    # zarr's writes run on its own event loop's thread, which may still finish a batch into
+    # tmp after an interrupt reached this one: a second pass removes what it wrote meanwhile
+    for _ in range(2):
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.exists():
+            return
+        time.sleep(0.5)
 
 
 def write_synthetic(
@@ -853,6 +866,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Terminated as exc:
+        print(f"{exc.prefix}: {exc}", file=sys.stderr)
+        return exc.exit_code
     elapsed = time.perf_counter() - t0
     params = _read_manifest(root)  # what was written (or found): channel lists under its naming's keys
     naming = layout.naming_of(params)

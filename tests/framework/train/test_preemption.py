@@ -198,3 +198,29 @@ def test_a_second_ctrl_c_aborts_at_once_without_a_checkpoint(tmp_path):
     ckpts = tmp_path / "run" / "checkpoints"
     assert not ckpts.exists() or not [p for p in ckpts.iterdir() if p.name.startswith("step_")]
     assert not (tmp_path / "run" / "run.lock").exists()
+
+
+def test_sigterm_while_the_synthetic_stores_are_written_removes_the_partial_copy(tmp_path):
+    """Before training there is nothing to checkpoint: SIGTERM while the synthetic stores are
+    being written ends the run with one line and exit 143, and the half-written copy (a hidden
+    .tmp- directory beside data.root) is removed, not left behind."""
+    data = tmp_path / "data"
+    big = {"data.root": str(data), "data.grid": "[256,256]", "data.hours_per_year": 2000}  # minutes to write
+    args = _overrides(tmp_path, "run", **big)
+    proc = _launch(args, 1, tmp_path)
+    try:
+        t0 = time.time()
+        while not list(tmp_path.glob(".data.tmp-*/*")):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.time() - t0 < 120, "the synthetic stores were never started"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"terminated: SIGTERM while writing the synthetic stores at {data}"), err[-3000:]
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob(".data.tmp-*")) and not data.exists(), "the partial copy was left"
+    assert not (tmp_path / "run" / "run.lock").exists()
