@@ -205,7 +205,7 @@ def test_sigterm_while_the_synthetic_stores_are_written_removes_the_partial_copy
     being written ends the run with one line and exit 143, and the half-written copy (a hidden
     .tmp- directory beside data.root) is removed, not left behind."""
     data = tmp_path / "data"
-    big = {"data.root": str(data), "data.grid": "[256,256]", "data.hours_per_year": 2000}  # minutes to write
+    big = {"data.root": str(data), "data.grid": "[128,128]", "data.hours_per_year": 600}  # seconds to write
     args = _overrides(tmp_path, "run", **big)
     proc = _launch(args, 1, tmp_path)
     try:
