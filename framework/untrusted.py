@@ -1,0 +1,67 @@
+"""Reading small files that others may have made (a checkpoint's manifest, a store's metadata,
+statistics, sidecars): never block, never take unbounded memory, never recurse without end.
+
+``read_bytes`` opens without blocking and reads only a regular file (a named pipe or a link to
+a device such as ``/dev/zero`` among the files would otherwise hang the reader or fill its
+memory), up to a size cap. ``read_json`` adds UTF-8 and JSON decoding, with deep nesting
+refused like any other malformed text, and ``mapping`` checks the top level's type. Every
+failure is a :class:`BadFile`, a ``ValueError``: callers that already turn ``ValueError`` (a
+JSON decoding error) into their one-line error keep doing so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+# Metadata and sidecar files are kilobytes; the largest read through here (a statistics .npy of
+# a few thousand channels, a forecast store's metadata) stays far below this.
+DEFAULT_LIMIT = 64 << 20
+
+
+class BadFile(ValueError):
+    """A file that cannot be what it claims to be (not a regular file, too large, malformed)."""
+
+
+def read_bytes(path: str | os.PathLike, limit: int = DEFAULT_LIMIT) -> bytes:
+    """The contents of the regular file ``path``, at most ``limit`` bytes. OSError when it is
+    missing or unreadable; BadFile when it is not a regular file or is larger than ``limit``."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadFile(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise BadFile(f"{path} holds {st.st_size} bytes, more than the {limit} such a file may")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # grew while read
+        raise BadFile(f"{path} holds more than the {limit} bytes such a file may")
+    return data
+
+
+def read_json(path: str | os.PathLike, limit: int = DEFAULT_LIMIT) -> Any:
+    """``read_bytes`` parsed as UTF-8 JSON; BadFile (a ValueError) for text that is not."""
+    data = read_bytes(path, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadFile(f"{path} is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise BadFile(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    except RecursionError:
+        raise BadFile(f"{path} nests its JSON too deeply") from None
+
+
+def mapping(value: Any, what: str) -> dict:
+    """``value`` if it is a JSON object (a dict), else BadFile naming ``what``."""
+    if not isinstance(value, dict):
+        raise BadFile(f"{what} is a JSON {type(value).__name__}, not an object")
+    return value
