@@ -38,7 +38,9 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+from framework import untrusted
 from framework.errors import ConfigError, RunDirError
 
 log = logging.getLogger("framework")
@@ -168,7 +170,7 @@ class LockInfo:
 def read_lock(path: Path) -> LockInfo | None:
     """The lock's content, or None if it is empty or half-written."""
     try:
-        data = json.loads(Path(path).read_text())
+        data: Any = untrusted.mapping(untrusted.read_json(path), str(path))  # damaged: any JSON, any depth
         return LockInfo(**{k: data.get(k) for k in LockInfo.__dataclass_fields__})
     except (OSError, ValueError, TypeError):
         return None

@@ -45,10 +45,11 @@ def _truncate(path: Path, step: int) -> int:
     """Keep the rows of steps <= ``step`` (and rows without one, and any line that does not parse:
     never lose what cannot be read); atomic. Returns how many rows were dropped."""
     kept, dropped = [], 0
-    for line in path.read_text().splitlines(keepends=True):
+    # surrogateescape: bytes that are not UTF-8 (a damaged disk block) pass through unchanged
+    for line in path.read_bytes().decode("utf-8", "surrogateescape").splitlines(keepends=True):
         try:
             row = json.loads(line)
-        except ValueError:  # a line torn by a kill: kept as it is
+        except (ValueError, RecursionError):  # a line torn by a kill, or damaged: kept as it is
             row = None
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
             dropped += 1
@@ -56,7 +57,7 @@ def _truncate(path: Path, step: int) -> int:
         kept.append(line if line.endswith("\n") else line + "\n")
     if dropped:
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(kept))
+        tmp.write_bytes("".join(kept).encode("utf-8", "surrogateescape"))
         os.replace(tmp, path)
     return dropped
 

@@ -52,6 +52,7 @@ one line naming the file and the variable.
 
 from __future__ import annotations
 
+import io
 import math
 import operator
 import os
@@ -63,6 +64,7 @@ import torch
 import zarr
 from torch.utils.data import Dataset
 
+from framework import untrusted
 from framework.errors import ConfigError, DataError, first_line
 from recipes.weather import layout
 from recipes.weather import physicsnemo_layout as pn
@@ -178,9 +180,12 @@ def _load_stats(
         if not path.exists():
             raise DataError(f"{path}: statistics file not found")
         try:
-            values = np.load(path, allow_pickle=False)
+            # a regular file of bounded size (a named pipe or a link to a device would hang or fill memory)
+            values = np.load(io.BytesIO(untrusted.read_bytes(path)), allow_pickle=False)
         except Exception as exc:
             raise DataError(f"{path}: cannot read statistics ({type(exc).__name__}: {exc})") from None
+        if not isinstance(values, np.ndarray):  # np.load reads a zip (.npz) as an archive of arrays
+            raise DataError(f"{path}: expected a .npy array, found a {type(values).__name__}")
         if values.ndim > 1 and values.size == values.shape[0]:  # (C, 1, 1): one value per channel too
             values = values.reshape(-1)
         if values.ndim != 1 or not np.issubdtype(values.dtype, np.number):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from framework import untrusted
 from framework.errors import DataError
 from framework.safe_unpickle import Refused, RestrictedUnpickler
 from recipes.weather import layout
@@ -354,9 +355,11 @@ def load_missing_hours(path: str | Path) -> np.ndarray:
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = untrusted.read_bytes(path)  # a regular file of bounded size: never a pipe's wait or /dev/zero
     except OSError as exc:
         raise DataError(f"{path}: cannot read the missing-samples file ({exc.strerror or exc})") from None
+    except untrusted.BadFile as exc:
+        raise DataError(f"cannot read the missing-samples file: {exc}") from None
     fp = io.BytesIO(raw)
     shape, fortran, dtype = _read_npy_header(fp, path)
     if not dtype.hasobject:

@@ -67,6 +67,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from framework import untrusted
 from framework.errors import Terminated, sigterm_raises
 from recipes.weather import layout
 
@@ -370,8 +371,10 @@ def _normalise_params(
 
 
 def _read_manifest(root: Path) -> dict | None:
+    """The manifest's parameters; None when there is none or it cannot be one (any JSON, any depth)."""
+    path = layout.manifest_file(root)
     try:
-        return json.loads(layout.manifest_file(root).read_text())
+        return untrusted.mapping(untrusted.read_json(path), str(path))
     except (OSError, ValueError):
         return None
 

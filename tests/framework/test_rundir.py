@@ -120,6 +120,19 @@ def test_another_nodes_lock_without_slurm_is_judged_by_its_heartbeat(tmp_path, c
     assert stale and "no heartbeat" in why
 
 
+@pytest.mark.parametrize(
+    "content", [b"[1]", b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe"], ids=["list", "deep", "binary"]
+)
+def test_a_damaged_lock_reads_as_unreadable_not_as_an_error(tmp_path, content):
+    """Any bytes in run.lock are a lock that cannot be read (stale once old), never a traceback."""
+    path = tmp_path / "run.lock"
+    path.write_bytes(content)
+    assert rundir.read_lock(path) is None
+    old = time.time() - rundir.CREATE_GRACE_S - 5
+    os.utime(path, (old, old))
+    assert rundir.verdict(path, None)[0]
+
+
 def test_the_heartbeat_refreshes_the_lock(tmp_path, clean_env, monkeypatch):
     monkeypatch.setattr(rundir, "HEARTBEAT_S", 0.05)
     lock = rundir.RunLock(tmp_path).acquire()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 import threading
@@ -134,6 +135,10 @@ def test_write_is_idempotent(tmp_path):
     empty.mkdir()
     write_synthetic(empty, **kw)
     assert (empty / "synthetic.json").exists()
+    for bad in (b"[1]", b"[" * 100_000 + b"]" * 100_000):  # a damaged manifest: someone else's store
+        (foreign / "synthetic.json").write_bytes(bad)
+        with pytest.raises(FileExistsError, match="not a complete synthetic store"):
+            write_synthetic(foreign, **kw)
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
@@ -393,6 +398,22 @@ def test_bad_stats(copy):
     stds.unlink()
     np.save(means, np.zeros(4, dtype=np.float32))
     assert_data_error([stds, "not found"], lambda: make(copy))
+
+
+def test_stats_that_are_no_npy_array_or_no_regular_file_are_one_data_error(copy):
+    """An .npz saved under the .npy's name (np.load reads it as an archive), a named pipe (an
+    open() that waits forever for a writer) and a link to /dev/zero (a read that never ends):
+    each is one DataError naming the file, and the last two return at once."""
+    means = layout.stats_file(copy, layout.HRRR, "means")
+    with open(means, "wb") as f:
+        np.savez(f, means=np.zeros(4, dtype=np.float32))
+    assert_data_error([means, "expected a .npy array, found a NpzFile"], lambda: make(copy))
+    means.unlink()
+    os.mkfifo(means)
+    assert_data_error([means, "not a regular file"], lambda: make(copy))
+    means.unlink()
+    means.symlink_to("/dev/zero")
+    assert_data_error([means, "not a regular file"], lambda: make(copy))
 
 
 def test_non_finite_sample(copy):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import pickle
 import re
 import shutil
@@ -442,6 +443,16 @@ def test_missing_samples_formats(tmp_path):
     np.save(tmp_path / "objects.npy", np.array([1.5, "x"], dtype=object), allow_pickle=True)
     with pytest.raises(DataError, match="entry 0 is a float"):
         pn.load_missing_hours(tmp_path / "objects.npy")
+
+
+def test_a_missing_samples_file_that_is_no_regular_file_is_refused_at_once(tmp_path):
+    """A named pipe would wait forever for a writer, a link to /dev/zero fill the memory."""
+    fifo, zero = tmp_path / "fifo.npy", tmp_path / "zero.npy"
+    os.mkfifo(fifo)
+    zero.symlink_to("/dev/zero")
+    for path in (fifo, zero):
+        with pytest.raises(DataError, match=f"{re.escape(str(path))} is not a regular file"):
+            pn.load_missing_hours(path)
 
 
 def test_malicious_missing_samples_pickle_is_refused(ref, tmp_path):
