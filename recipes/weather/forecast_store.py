@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from framework import untrusted
 from framework.errors import ConfigError, DataError
 
 FORMAT = 1
@@ -211,6 +212,31 @@ def _build(path: Path, spec: StoreSpec, coords: dict[str, np.ndarray]) -> None:
     _consolidate(path)
 
 
+# The arrays a job writes, their shapes from the spec and dtypes as _build makes them: a store
+# joined by identity alone (another job's, or a damaged one) must have them exactly.
+_SHAPES = {
+    "forecast": (lambda s: (s.members, len(s.inits), s.leads, len(s.channels), *s.grid), "float32"),
+    "truth": (lambda s: (len(s.inits), s.leads, len(s.channels), *s.grid), "float32"),
+    "completed": (lambda s: (len(s.inits), s.members), "uint8"),
+}
+
+
+def _expected_array(group, path: Path, name: str, spec: StoreSpec):
+    shape_of, dtype = _SHAPES[name]
+    try:
+        arr = group[name]
+    except KeyError:
+        raise DataError(f"{path}: holds no array '{name}'; remove it or add infer.overwrite=true") from None
+    want = tuple(shape_of(spec))
+    if tuple(getattr(arr, "shape", ())) != want or str(getattr(arr, "dtype", "")) != dtype:
+        got = f"{getattr(arr, 'shape', None)} {getattr(arr, 'dtype', type(arr).__name__)}"
+        raise DataError(
+            f"{path}: array '{name}' is {got}, not {want} {dtype} as this forecast writes it; "
+            "remove it or add infer.overwrite=true"
+        )
+    return arr
+
+
 class ForecastStore:
     """The ``<out>.partial`` store of one forecast, opened for region writes."""
 
@@ -220,7 +246,7 @@ class ForecastStore:
         self.out, self.spec = Path(out), spec
         self.path = partial_path(self.out)
         self.group = zarr.open_group(str(self.path), mode="r+")
-        self.forecast, self.truth, self.completed = (self.group[k] for k in ("forecast", "truth", "completed"))
+        self.forecast, self.truth, self.completed = (_expected_array(self.group, self.path, k, spec) for k in _SHAPES)
 
     # -- the skeleton, once per store --------------------------------------------------------------
     @staticmethod
@@ -302,11 +328,11 @@ def partial_path(out: Path) -> Path:
 def read_identity(path: Path) -> dict | None:
     """The ``identity`` attribute of a store (JSON only: nothing read runs code), or None."""
     meta = Path(path) / "zarr.json"
-    try:
-        attrs = json.loads(meta.read_text()).get("attributes") or {}
-    except (OSError, ValueError, AttributeError):
+    try:  # a regular file of bounded size, any JSON at any depth
+        attrs = untrusted.mapping(untrusted.read_json(meta), str(meta)).get("attributes") or {}
+    except (OSError, ValueError):
         return None
-    ident = attrs.get("identity")
+    ident = attrs.get("identity") if isinstance(attrs, dict) else None
     return ident if isinstance(ident, dict) else None
 
 

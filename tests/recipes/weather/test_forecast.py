@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -312,3 +313,34 @@ def test_bad_config_is_one_line(stages, tmp_path, extra, text):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert text in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_joined_store_must_hold_the_arrays_this_forecast_writes(tmp_path):
+    """A .partial store is joined on its identity attribute alone: one whose arrays are missing or
+    declared with other shapes (damaged, or made to match by someone else) is one DataError naming
+    the array before anything is allocated or written, and a metadata file that is not a JSON
+    object (any depth) reads as no identity."""
+    from framework.errors import DataError
+    from recipes.weather.forecast_store import ForecastStore, StoreSpec, partial_path, read_identity
+
+    spec = StoreSpec(members=2, inits=(438000,), leads=2, dt=1, channels=("t2m",), grid=(4, 6), row_chunk=2)
+    out = tmp_path / "fc.zarr"
+    assert ForecastStore.prepare(out, spec, {}, overwrite=False) == "created"
+    part = partial_path(out)
+    assert ForecastStore(out, spec).done().shape == (1, 2)
+    root = part / "zarr.json"
+    for meta in (part / "completed" / "zarr.json", root):  # the array's own and the consolidated copy
+        doc = json.loads(meta.read_text())
+        (doc if meta != root else doc["consolidated_metadata"]["metadata"]["completed"])["shape"] = [10**6, 10**6]
+        meta.write_text(json.dumps(doc))  # 931 GiB if read
+    with pytest.raises(DataError, match=r"array 'completed' is \(1000000, 1000000\) uint8, not \(1, 2\) uint8"):
+        ForecastStore(out, spec)
+    shutil.rmtree(part / "completed")
+    doc = json.loads(root.read_text())
+    del doc["consolidated_metadata"]["metadata"]["completed"]
+    root.write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="holds no array 'completed'"):
+        ForecastStore(out, spec)
+    for bad in ("[1]", "[" * 100_000 + "]" * 100_000, '{"attributes": [1]}'):
+        (part / "zarr.json").write_text(bad)
+        assert read_identity(part) is None
