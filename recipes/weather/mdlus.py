@@ -12,10 +12,11 @@ of exactly three members:
 
 Reading (``describe_mdlus``, ``read_mdlus``) checks the archive (members, sizes, names, no
 links), reads ``args.json`` as data only (the class must be a known StormCast / StormScope
-class; nothing named in it is ever imported), loads ``model.pt`` with
-``torch.load(weights_only=True)`` only (a crafted pickle is refused before it can run), maps the
-reference's state-dict names onto ours and checks every name and shape against the model the
-derived config builds. It returns what ``python -m framework.export`` writes: the model config
+class; nothing named in it is ever imported; the arguments read are type-checked), loads ``model.pt``
+with ``torch.load(weights_only=True)`` only (a crafted pickle is refused before it can run;
+floating-point tensors only), refuses a model larger than those tensors could fill before building
+it, maps the reference's state-dict names onto ours and checks every name and shape against the
+model the derived config builds. It returns what ``python -m framework.export`` writes: the model config
 (the JSON beside an exported ``.pt``: ``name``, ``model``, ``in_channels``, ``out_channels``,
 ``img_resolution``, ``kwargs``, ``task``, ``channels``) and the state dict.
 
@@ -40,6 +41,7 @@ import dataclasses
 import functools
 import io
 import json
+import math
 import os
 import re
 import tarfile
@@ -95,6 +97,16 @@ _SONGUNET_FIXED = dict(
     resample_filter=[1, 1],
     bottleneck_attention=True,
 )
+_SONGUNET_KINDS = dict(
+    model_channels="an int",
+    channel_mult="a list of ints",
+    channel_mult_emb="an int",
+    num_blocks="an int",
+    attn_resolutions="a list of ints",
+    dropout="a finite number",
+    embedding_type="a string",
+    additive_pos_embed="a boolean",
+)
 _SONGUNET_IGNORED = ("label_dropout", "use_apex_gn", "act", "profile_mode", "amp_mode")
 _STORMCAST_WRAPPER = (
     "img_resolution",
@@ -105,6 +117,21 @@ _STORMCAST_WRAPPER = (
     "sigma_max",
     "sigma_data",
     "model_type",
+)
+_DIT_KINDS = dict(
+    patch_size="an int or a list of ints",
+    hidden_size="an int",
+    depth="an int",
+    num_heads="an int",
+    mlp_ratio="a finite number",
+    condition_dim="an int or null",
+    use_nan_mask_tokens="a boolean",
+    conditioning_embedder_kwargs="an object or null",
+    timestep_embed_kwargs="an object or null",
+    tokenizer_kwargs="an object or null",
+    detokenizer_kwargs="an object or null",
+    block_kwargs="an object or null",
+    attn_kwargs="an object or null",
 )
 _DIT_KNOWN = (
     "input_size",
@@ -151,6 +178,41 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines() or [type(e).__name__])[0][:300]
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # a JSON int past float's range
+        return False
+
+
+# What an args.json argument must be, checked before any use (JSON hands over any type).
+_KINDS = {
+    "an int": _is_int,
+    "an int or null": lambda v: v is None or _is_int(v),
+    "an int or a list of ints": lambda v: _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
+    "a list of ints": lambda v: isinstance(v, list) and all(map(_is_int, v)),
+    "a finite number": _is_number,
+    "a boolean": lambda v: isinstance(v, bool),
+    "a string": lambda v: isinstance(v, str),
+    "an object or null": lambda v: v is None or isinstance(v, dict),
+}
+
+
+def _check_kinds(path, where: str, values: dict, kinds: dict[str, str]) -> None:
+    """One DataError line naming the first argument of ``values`` that is not of its kind."""
+    for arg, kind in kinds.items():
+        if arg in values and not _KINDS[kind](values[arg]):
+            shown = repr(values[arg])
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            _fail(path, f"args.json {where}: {arg}={shown} must be {kind}")
+
+
 # -- the archive ---------------------------------------------------------------------------------
 
 
@@ -165,12 +227,19 @@ def _archive_kind(path: Path) -> str:
 
 
 def _check_members(path, names: list[str]) -> None:
-    dup = sorted({n for n in names if names.count(n) > 1})
+    # counted in one pass: a crafted archive lists any number of members (a count of each name
+    # over the whole list took 50 s for 60000 empty ones, 5 MB)
+    counts = collections.Counter(names)
+    dup = sorted(n for n, c in counts.items() if c > 1)
     if dup:
         _fail(path, f"archive member {dup[0]!r} appears more than once")
-    unexpected = sorted(set(names) - set(MEMBERS))
+    unexpected = sorted(set(counts) - set(MEMBERS))
     if unexpected:
-        _fail(path, f"unexpected archive member {unexpected[0]!r} (a .mdlus holds exactly {', '.join(MEMBERS)})")
+        _fail(
+            path,
+            f"unexpected archive member {unexpected[0]!r} (one of {len(names)} members; a .mdlus holds exactly "
+            f"{', '.join(MEMBERS)})",
+        )
     missing = [m for m in MEMBERS if m not in names]
     if missing:
         _fail(path, f"archive member {missing[0]!r} is missing (a .mdlus holds {', '.join(MEMBERS)})")
@@ -372,6 +441,7 @@ def _songunet_model(path, kw: dict, where: str) -> dict:
     unknown = sorted(set(kw) - set(_SONGUNET_DEFAULTS) - set(_SONGUNET_FIXED) - set(_SONGUNET_IGNORED))
     if unknown:
         _fail(path, f"args.json {where}: argument {unknown[0]!r} is not one this reader knows")
+    _check_kinds(path, where, kw, _SONGUNET_KINDS)
     node = {"name": "songunet"} | {k: copy.deepcopy(kw.get(k, d)) for k, d in _SONGUNET_DEFAULTS.items()}
     node["checkpoint_level"] = 0  # a training-time memory option, not part of the model
     try:
@@ -389,6 +459,9 @@ def _dit_model(path, kw: dict, where: str) -> tuple[dict, list[int], int, int]:
     unknown = sorted(set(kw) - set(_DIT_KNOWN))
     if unknown:
         _fail(path, f"args.json {where}: argument {unknown[0]!r} is not one this reader knows")
+    _check_kinds(path, where, kw, _DIT_KINDS)
+    _check_kinds(path, f"{where} tokenizer_kwargs", kw.get("tokenizer_kwargs") or {}, {"pos_embed": "a string"})
+    _check_kinds(path, f"{where} attn_kwargs", kw.get("attn_kwargs") or {}, {"attn_kernel": "an int"})
 
     def need(arg, ok, want):
         value = kw.get(arg, want)
@@ -770,6 +843,30 @@ def _expected(config: dict) -> dict[str, torch.Size]:
     return {k: v.shape for k, v in model.state_dict().items()}
 
 
+def _least_weights(config: dict, cap: int) -> int:
+    """A lower bound on the number of weights of the model of ``config`` (a .mdlus's, its arguments
+    checked), from its arguments alone, with every factor capped at ``cap`` (a bound above ``cap``
+    stays above it, and the arithmetic small). Counted: the convolutions and linears every block
+    has, the first and last layers, the learned position tables."""
+    m = config["model"]
+    rows, cols = (min(v, cap) for v in config["img_resolution"])
+    in_ch, out_ch = min(config["in_channels"], cap), min(config["out_channels"], cap)
+    if config["name"] == "songunet":
+        mc = min(m["model_channels"], cap)
+        emb = min(mc * m["channel_mult_emb"], cap)
+        widths = [min(mc * k, cap) for k in m["channel_mult"][:cap]]
+        blocks = min(m["num_blocks"], cap)
+        n = 9 * mc * in_ch + 9 * widths[0] * out_ch  # the first and the output convolutions
+        n += blocks * sum(9 * w * w + emb * w for w in widths)  # each encoder block's conv1 and affine
+        n += emb * emb if m["embedding_type"] == "positional" else 0  # map_layer1
+        return n + (mc * rows * cols if m["additive_pos_embed"] else 0)
+    h, p, depth = min(m["hidden_size"], cap), min(m["patch_size"], cap), min(m["depth"], cap)
+    mlp = int(h * min(m["mlp_ratio"], cap))
+    n = h * p * p * (in_ch + out_ch)  # the patch embedding and the final projection
+    n += depth * (10 * h * h + 2 * h * mlp)  # each block's qkv, proj, modulation and MLP
+    return n + ((rows // p) * (cols // p) * h if m["pos_embed"] == "learned" else 0)
+
+
 # -- public API ----------------------------------------------------------------------------------
 
 
@@ -824,11 +921,26 @@ def read_mdlus(path, *, channels: dict | None = None) -> tuple[dict, dict[str, t
     config = describe_mdlus(path, channels=channels)
     raw = _read_members(path, ("model.pt",))["model.pt"]
     ref = _state_dict(path, raw)
-    expected = _expected(config)
+    # the file's tensors bound the model its args.json may describe: a crafted args.json (widths,
+    # depths of 2**36) is refused here, before the build (even on the meta device: its modules are
+    # Python objects, and its sizes may overflow)
+    have = sum(v.numel() for v in ref.values())
+    least = _least_weights(config, have + 1)
+    if least > have:
+        _fail(
+            path,
+            f"args.json describes a {config['name']} model of at least {least} weights, but model.pt holds {have}",
+        )
+    try:
+        expected = _expected(config)
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:  # arguments the constructor refuses
+        _fail(path, f"args.json describes no {config['name']} model we can build ({_first_line(e)})")
     out = {}
     for key, value in ref.items():
         if key.endswith("device_buffer") and value.numel() == 0:  # PhysicsNeMo's old device marker
             continue
+        if not value.is_floating_point():  # a complex or integer tensor would be cast to real floats, silently
+            _fail(path, f"model.pt tensor {key!r} is {str(value.dtype).removeprefix('torch.')}, not floating point")
         const = _is_constant(config, key)
         if const is not None:
             if value.shape != const.shape or not torch.allclose(value.float(), const, rtol=1e-6, atol=0):

@@ -25,15 +25,16 @@ line, by a data config with the other's.
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from framework import registry
-from framework.errors import ConfigError, DataError
+from framework.errors import ConfigError, DataError, first_line
+from framework.untrusted import mapping, read_json
 from recipes.weather.layout import naming_of
 
 log = logging.getLogger("framework")
@@ -111,24 +112,94 @@ def _mdlus_config(path: Path, data) -> dict:
     return cfg
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # a JSON int past float's range
+        return False
+
+
+def _strings(v) -> bool:
+    return isinstance(v, list) and all(isinstance(s, str) for s in v)
+
+
+def _positives(v) -> bool:
+    return isinstance(v, list) and v != [] and all(_is_number(x) and x > 0 for x in v)
+
+
+def _channel_lists(v) -> bool:  # None: a list a .mdlus does not name
+    return isinstance(v, dict) and v != {} and all(x is None or _strings(x) for x in v.values())
+
+
+def _grid(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(_is_int(x) and x > 0 for x in v)
+
+
+def _is_dict(v) -> bool:
+    return isinstance(v, dict)
+
+
+# What each field of a model config that its readers use must be (an export's .json is another's
+# file: JSON hands over any type). Fields outside _REQUIRED may be absent.
+_FIELDS = (
+    ("name", "a string", lambda v: isinstance(v, str)),
+    ("model", "an object", _is_dict),
+    ("task", "an object", _is_dict),
+    ("task.name", "a string", lambda v: isinstance(v, str)),
+    ("task.conditions", "a list of strings", _strings),
+    ("task.edm", "an object", _is_dict),
+    ("task.edm.sigma_data", "a non-empty list of positive numbers", _positives),
+    ("channels", "an object of channel lists", _channel_lists),
+    ("img_resolution", "[rows, cols] of positive ints", _grid),
+    ("in_channels", "a positive int", lambda v: _is_int(v) and v > 0),
+    ("out_channels", "a positive int", lambda v: _is_int(v) and v > 0),
+    ("data", "an object or null", lambda v: v is None or _is_dict(v)),
+)
+_REQUIRED = ("name", "model", "task", "task.name", "channels", "img_resolution", "in_channels", "out_channels")
+
+
+def _check_fields(cfg: dict, where) -> None:
+    """One DataError line naming ``where`` and the first field of ``cfg`` missing or of another type."""
+    for field, kind, ok in _FIELDS:
+        node, *keys = field.split(".")
+        value, present = cfg.get(node), node in cfg
+        for k in keys:
+            present = present and isinstance(value, dict) and k in value
+            value = value.get(k) if present else None
+        if not present:
+            if field in _REQUIRED:
+                raise DataError(f"{where}: its model config has no {field!r} (exported by an older version?)")
+            continue
+        if not ok(value):
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise DataError(f"{where}: its model config's {field!r} must be {kind} (got {shown})")
+
+
 def describe(path, *, data=None) -> ModelInfo:
     """What the model at ``path`` is, from its config alone (no weights read): cheap, for checks.
     ``data``: the caller's data config, for what a .mdlus does not record (see the module doc)."""
     from framework.export import model_config
     from recipes.weather.mdlus import is_mdlus
 
-    path = Path(path)
+    path = source = Path(path)  # source: the file a field comes from (an export's .json)
     if is_mdlus(path):
         cfg, ckpt = _mdlus_config(path, data), None
     elif path.is_file():
         side = path.with_suffix(".json")
         if not side.is_file():
             raise DataError(f"{path}: no {side.name} beside it (write both with python -m framework.export)")
-        try:
-            cfg = json.loads(side.read_text())
-        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
-            raise DataError(f"{side}: unreadable model config ({e})") from None
-        ckpt = None
+        try:  # another's file: never a blocking read, unbounded memory or recursion
+            cfg = mapping(read_json(side), "its top level")
+        except (OSError, ValueError) as e:
+            raise DataError(f"{side}: unreadable model config ({first_line(e)})") from None
+        ckpt, source = None, side
     elif path.is_dir():
         ckpt, verified = _checkpoint(path, full=False)
         cfg = model_config(verified.meta.get("config"))
@@ -138,6 +209,7 @@ def describe(path, *, data=None) -> ModelInfo:
         raise DataError(f"{path}: its config names no task or channels (exported by an older version?)")
     if not isinstance(cfg["task"], dict) or not isinstance(cfg["task"].get("name"), str):
         raise DataError(f"{path}: its config has no task name")
+    _check_fields(cfg, source)
     return ModelInfo(
         path, cfg["name"], cfg["model"], cfg["task"], cfg["channels"], list(cfg["img_resolution"]), cfg, ckpt
     )

@@ -8,11 +8,13 @@ taken from the reader), so the reader is checked against an independent statemen
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import pickle
 import re
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -721,6 +723,81 @@ def test_describe_reads_no_weights(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+HOSTILE_ARGS = [  # (net, argument overrides, what the one line says): each crashed, or was misread, before
+    ("dit", dict(mlp_ratio="abc"), "DiT: mlp_ratio='abc' must be a finite number"),
+    ("dit", dict(mlp_ratio=float("inf")), "DiT: mlp_ratio=inf must be a finite number"),  # JSON's Infinity
+    ("dit", dict(condition_dim="x"), "DiT: condition_dim='x' must be an int or null"),
+    ("dit", dict(conditioning_embedder_kwargs=[1]), "DiT: conditioning_embedder_kwargs=[1] must be an object"),
+    ("dit", dict(tokenizer_kwargs=5), "DiT: tokenizer_kwargs=5 must be an object"),
+    ("dit", dict(attn_kwargs="abc"), "DiT: attn_kwargs='abc' must be an object"),
+    ("dit", dict(attn_kwargs={"attn_kernel": "3"}), "DiT attn_kwargs: attn_kernel='3' must be an int"),
+    ("dit", dict(use_nan_mask_tokens="false"), "DiT: use_nan_mask_tokens='false' must be a boolean"),  # was True
+    ("songunet", dict(attn_resolutions="x"), "StormCastUNet: attn_resolutions='x' must be a list of ints"),
+    ("songunet", dict(additive_pos_embed="no"), "StormCastUNet: additive_pos_embed='no' must be a boolean"),
+]
+
+
+@pytest.mark.parametrize("net,over,expect", HOSTILE_ARGS, ids=[f"{n}-{o}" for n, o, _ in HOSTILE_ARGS])
+def test_args_json_values_of_another_type_are_refused_in_one_line_naming_the_argument(tmp_path, net, over, expect):
+    archive = dit_archive(dit_model(), **over) if net == "dit" else regression_archive(regression_model(), **over)
+    path = save_like_physicsnemo(tmp_path / "hostile.mdlus", *archive)
+    with pytest.raises(DataError) as e:
+        mdlus.read_mdlus(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(path)) and expect in msg, msg
+
+
+def test_an_args_json_beyond_its_weights_or_unbuildable_is_refused_in_one_line(tmp_path, monkeypatch):
+    """The file's tensors bound the model its args.json may describe: far wider or deeper ones are
+    refused before any build (a meta-device build of 2**36 channels overflowed; one of millions of
+    blocks is millions of Python modules); arguments our constructor refuses are one line too."""
+    built, real = [], mdlus.build_model
+    monkeypatch.setattr(mdlus, "build_model", lambda *a, **k: built.append(1) or real(*a, **k))
+    cases = [
+        ("song_wide", regression_archive(regression_model(), model_channels=2**36), "songunet model of at least"),
+        ("dit_wide", dit_archive(dit_model(), hidden_size=2**36), "dit model of at least"),
+        ("dit_deep", dit_archive(dit_model(), depth=2000), "dit model of at least"),
+    ]
+    for name, archive, expect in cases:
+        path = save_like_physicsnemo(tmp_path / f"{name}.mdlus", *archive)
+        with pytest.raises(DataError) as e:
+            mdlus.read_mdlus(path)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(str(path)) and expect in msg and "model.pt holds" in msg, msg
+    assert not built
+    sd, args, meta = regression_archive(regression_model())
+    args["__args__"]["img_resolution"] = [34, GRID[1]]  # rows not a multiple of the 4x down-sampling
+    path = save_like_physicsnemo(tmp_path / "rows.mdlus", sd, args, meta)
+    with pytest.raises(DataError, match=r"^\S+rows.mdlus: args.json describes no songunet model we can build \(.*34"):
+        mdlus.read_mdlus(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64])
+def test_weights_that_are_not_floating_point_are_refused(tmp_path, dtype):
+    """A complex weight would be cast to its real part (a warning at most), an integer one to
+    float: either is another model than the file's; one line naming the tensor."""
+    sd, args, meta = regression_archive(regression_model())
+    key = f"model.enc.{GRID[0]}x{GRID[0]}_conv.weight"
+    sd[key] = sd[key].to(dtype)
+    path = save_like_physicsnemo(tmp_path / "dtype.mdlus", sd, args, meta)
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(DataError, match=rf"dtype.mdlus: model.pt tensor '{key}' is {name}, not floating point$"):
+        mdlus.read_mdlus(path)
+
+
+def test_an_archive_of_many_members_is_refused_at_once(tmp_path):
+    """Members are counted in one pass: 20000 empty ones (1.7 MB) took 5 s when each name was
+    counted across the whole list (60000: 50 s), and take 0.1 s."""
+    path = tmp_path / "many.mdlus"
+    with zipfile.ZipFile(path, "w") as zf:
+        for i in range(20000):
+            zf.writestr(str(i), b"")
+    start = time.perf_counter()
+    with pytest.raises(DataError, match=r"unexpected archive member '0' \(one of 20000 members; a .mdlus holds"):
+        mdlus.read_mdlus(path)
+    assert time.perf_counter() - start < 1.5
+
+
 # -- the reference's eval-mode GroupNorm --------------------------------------------------------
 
 
@@ -749,17 +826,26 @@ def test_reference_groupnorm_uses_the_unbiased_variance_in_eval_only():
 
 def test_an_args_json_larger_than_its_weights_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
     """weights.load reads a .mdlus's model.pt before it builds the model of its args.json: a
-    crafted args.json (a model 64 times wider than its weights) is refused by the shape check
-    against a meta-device build, never allocated."""
+    crafted args.json (a model 64 times wider than its weights) is refused by the bound the file's
+    tensors set, before even a meta-device build; one twice as wide, by the shape check against
+    that build; neither is ever allocated."""
     from recipes.weather import weights
 
     sd, args, meta = regression_archive(regression_model())
+    wider = copy.deepcopy(args)
+    wider["__args__"]["model_channels"] *= 2
+    wider = save_like_physicsnemo(tmp_path / "wider.mdlus", sd, wider, meta)
     args["__args__"]["model_channels"] *= 64
     big = save_like_physicsnemo(tmp_path / "big.mdlus", sd, args, meta)
     built, real = [], weights.build
     monkeypatch.setattr(weights, "build", lambda info: built.append(info.path) or real(info))
-    with pytest.raises(DataError, match=r"big.mdlus: model.pt tensor .* has shape"):
+    with pytest.raises(DataError, match=r"wider.mdlus: model.pt tensor .* has shape"):
+        weights.load(wider)
+    meta_built, real_meta = [], mdlus.build_model
+    monkeypatch.setattr(mdlus, "build_model", lambda *a, **k: meta_built.append(1) or real_meta(*a, **k))
+    with pytest.raises(DataError, match=r"big.mdlus: args.json describes a songunet model of at least \d+ weights"):
         weights.load(big)
+    assert not meta_built
     # the same shapes as expanded views of one zero each: a small file that matches every shape
     with torch.device("meta"):  # the shapes only
         wide = SongUNet(GRID, 5, 3, embedding_type="zero", **(SONG | {"model_channels": 16 * 64}))
