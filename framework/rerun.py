@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from framework import untrusted
 from framework.errors import ConfigError
 
 HISTORY = Path(".hydra") / "override_history.jsonl"
@@ -123,8 +124,8 @@ def _read_text(path: Path) -> str:
         size = path.stat().st_size
         if size > MAX_BYTES:
             raise ConfigError(f"{path}: {size} bytes, more than a record of overrides can be ({MAX_BYTES}); refused")
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        return untrusted.read_bytes(path, MAX_BYTES).decode("utf-8")  # a named pipe: refused, not waited on
+    except (OSError, ValueError) as e:  # ValueError: BadFile, UnicodeDecodeError
         raise ConfigError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
 
 
@@ -144,8 +145,8 @@ def history_entries(path: Path) -> list[dict]:
             continue
         try:
             entry = json.loads(line)
-        except ValueError:
-            continue  # a torn write
+        except (ValueError, RecursionError):
+            continue  # a torn write, or damaged past parsing
         where = f"{path}: line {n}"
         if not isinstance(entry, dict) or entry.get("event") not in ("start", "end"):
             raise ConfigError(f"{where}: not an entry of an override history; refused")
@@ -186,6 +187,8 @@ def read_record(run_dir: Path, launch: str | None = None) -> Record | None:
     except yaml.YAMLError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{path}: not valid YAML ({first}); refused") from None
+    except RecursionError:  # safe_load composes nested nodes recursively
+        raise ConfigError(f"{path}: nests too deeply to be a list of overrides; refused") from None
     return Record(path, _strings([] if value is None else value, str(path)))
 
 

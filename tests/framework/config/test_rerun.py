@@ -127,6 +127,25 @@ def test_a_crafted_record_is_refused_in_one_line(tmp_path, name, text, pattern):
     assert "\n" not in str(e.value) and str(e.value).startswith(str(tmp_path / ".hydra" / name))
 
 
+def test_a_damaged_record_is_one_line_or_a_skipped_line_never_a_traceback_or_a_wait(tmp_path):
+    """History lines nested past parsing are skipped like torn ones; an overrides.yaml nested too
+    deeply is refused, and a named pipe in its place is no record (a read would wait forever)."""
+    import os
+
+    hydra = tmp_path / ".hydra"
+    hydra.mkdir()
+    deep = "[" * 100_000 + "]" * 100_000
+    (hydra / "override_history.jsonl").write_text(deep + "\n" + json.dumps(start(1, ["a=1"])) + "\n")
+    assert rerun.plan(["b=2"], tmp_path).overrides == ["a=1", "b=2"]
+    (hydra / "override_history.jsonl").unlink()
+    (hydra / "overrides.yaml").write_text(deep)
+    with pytest.raises(ConfigError, match=r"overrides\.yaml: nests too deeply"):
+        rerun.plan([], tmp_path)
+    (hydra / "overrides.yaml").unlink()
+    os.mkfifo(hydra / "overrides.yaml")  # no record, and no wait for a writer
+    assert rerun.plan(["b=2"], tmp_path) is None
+
+
 def test_a_record_too_large_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(rerun, "MAX_BYTES", 10)
     (tmp_path / ".hydra").mkdir()
