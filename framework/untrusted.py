@@ -12,6 +12,7 @@ JSON decoding error) into their one-line error keep doing so.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -65,3 +66,18 @@ def mapping(value: Any, what: str) -> dict:
     if not isinstance(value, dict):
         raise BadFile(f"{what} is a JSON {type(value).__name__}, not an object")
     return value
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (``True`` is an int to Python, not to a reader of JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite JSON number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # a JSON int past float's range
+        return False

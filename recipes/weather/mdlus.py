@@ -41,7 +41,6 @@ import dataclasses
 import functools
 import io
 import json
-import math
 import os
 import re
 import tarfile
@@ -51,6 +50,7 @@ from pathlib import Path
 import torch
 
 from framework.errors import DataError
+from framework.untrusted import is_int, is_number
 
 MEMBERS = ("model.pt", "args.json", "metadata.json")
 MAX_JSON_BYTES = 1 << 20  # args.json, metadata.json
@@ -178,26 +178,13 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines() or [type(e).__name__])[0][:300]
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # a JSON int past float's range
-        return False
-
-
 # What an args.json argument must be, checked before any use (JSON hands over any type).
 _KINDS = {
-    "an int": _is_int,
-    "an int or null": lambda v: v is None or _is_int(v),
-    "an int or a list of ints": lambda v: _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
-    "a list of ints": lambda v: isinstance(v, list) and all(map(_is_int, v)),
-    "a finite number": _is_number,
+    "an int": is_int,
+    "an int or null": lambda v: v is None or is_int(v),
+    "an int or a list of ints": lambda v: is_int(v) or (isinstance(v, list) and all(map(is_int, v))),
+    "a list of ints": lambda v: isinstance(v, list) and all(map(is_int, v)),
+    "a finite number": is_number,
     "a boolean": lambda v: isinstance(v, bool),
     "a string": lambda v: isinstance(v, str),
     "an object or null": lambda v: v is None or isinstance(v, dict),

@@ -26,7 +26,6 @@ line, by a data config with the other's.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 
 from framework import registry
 from framework.errors import ConfigError, DataError, first_line
-from framework.untrusted import mapping, read_json
+from framework.untrusted import is_int, is_number, mapping, read_json
 from recipes.weather.layout import naming_of
 
 log = logging.getLogger("framework")
@@ -112,25 +111,12 @@ def _mdlus_config(path: Path, data) -> dict:
     return cfg
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # a JSON int past float's range
-        return False
-
-
 def _strings(v) -> bool:
     return isinstance(v, list) and all(isinstance(s, str) for s in v)
 
 
 def _positives(v) -> bool:
-    return isinstance(v, list) and v != [] and all(_is_number(x) and x > 0 for x in v)
+    return isinstance(v, list) and v != [] and all(is_number(x) and x > 0 for x in v)
 
 
 def _channel_lists(v) -> bool:  # None: a list a .mdlus does not name
@@ -138,7 +124,7 @@ def _channel_lists(v) -> bool:  # None: a list a .mdlus does not name
 
 
 def _grid(v) -> bool:
-    return isinstance(v, list) and len(v) == 2 and all(_is_int(x) and x > 0 for x in v)
+    return isinstance(v, list) and len(v) == 2 and all(is_int(x) and x > 0 for x in v)
 
 
 def _is_dict(v) -> bool:
@@ -157,8 +143,8 @@ _FIELDS = (
     ("task.edm.sigma_data", "a non-empty list of positive numbers", _positives),
     ("channels", "an object of channel lists", _channel_lists),
     ("img_resolution", "[rows, cols] of positive ints", _grid),
-    ("in_channels", "a positive int", lambda v: _is_int(v) and v > 0),
-    ("out_channels", "a positive int", lambda v: _is_int(v) and v > 0),
+    ("in_channels", "a positive int", lambda v: is_int(v) and v > 0),
+    ("out_channels", "a positive int", lambda v: is_int(v) and v > 0),
     ("data", "an object or null", lambda v: v is None or _is_dict(v)),
 )
 _REQUIRED = ("name", "model", "task", "task.name", "channels", "img_resolution", "in_channels", "out_channels")
