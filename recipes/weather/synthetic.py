@@ -730,9 +730,17 @@ def _write(root, **kwargs) -> tuple[Path, bool]:
 
 
 def _remove(tmp: Path) -> None:
-    # zarr's writes run on its own event loop's thread, which may still finish a batch into
-    # tmp after an interrupt reached this one: a second pass removes what it wrote meanwhile
-    for _ in range(2):
+    if not tmp.exists():
+        return  # published
+    # A write an interrupt cut short still runs on zarr's own event loop and its threads, which
+    # would recreate folders in tmp: stop them first (zarr starts new ones when next used).
+    try:
+        from zarr.core import sync as zarr_sync
+
+        zarr_sync.cleanup_resources()
+    except Exception:  # noqa: BLE001, S110  (another zarr: the passes below still remove what they can)
+        pass
+    for _ in range(3):
         shutil.rmtree(tmp, ignore_errors=True)
         if not tmp.exists():
             return
