@@ -15,8 +15,7 @@ import json
 import math
 import os
 import stat
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 # Metadata and sidecar files are kilobytes; the largest read through here (a statistics .npy of
 # a few thousand channels, a forecast store's metadata) stays far below this.
@@ -27,22 +26,28 @@ class BadFile(ValueError):
     """A file that cannot be what it claims to be (not a regular file, too large, malformed)."""
 
 
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """``open(path, "rb")`` for a regular file only (else BadFile): opening a named pipe would wait
+    for a writer, and a device such as ``/dev/zero`` is read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadFile(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_bytes(path: str | os.PathLike, limit: int = DEFAULT_LIMIT) -> bytes:
     """The contents of the regular file ``path``, at most ``limit`` bytes. OSError when it is
     missing or unreadable; BadFile when it is not a regular file or is larger than ``limit``."""
-    path = Path(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadFile(f"{path} is not a regular file")
-        if st.st_size > limit:
-            raise BadFile(f"{path} holds {st.st_size} bytes, more than the {limit} such a file may")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
-    finally:
-        os.close(fd)
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise BadFile(f"{path} holds {size} bytes, more than the {limit} such a file may")
+        data = f.read(limit + 1)
     if len(data) > limit:  # grew while read
         raise BadFile(f"{path} holds more than the {limit} bytes such a file may")
     return data

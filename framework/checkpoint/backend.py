@@ -103,18 +103,17 @@ class Base:
 
 def read_meta(path: Path) -> dict:
     """meta.json of a checkpoint; a missing or unreadable one is a clear one-line DataError."""
-    import json
+    from framework import untrusted
+    from framework.checkpoint.io import first_line
 
     path = Path(path)
     f = path / META
-    if not f.is_file():
+    if not f.exists():
         why = "a save that did not finish" if path.name.startswith(".tmp-") else "not committed"
         raise DataError(f"checkpoint {path} is incomplete or corrupt: no {META} ({why})")
-    try:
-        meta = json.loads(f.read_text())
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
-        from framework.checkpoint.io import first_line
-
+    try:  # untrusted: a named pipe or a link to /dev/zero is refused, not read without end
+        meta = untrusted.read_json(f)
+    except (OSError, ValueError) as e:  # ValueError: untrusted.BadFile (not a regular file, not JSON, ...)
         raise DataError(f"checkpoint {path} is corrupt: {META} cannot be read ({first_line(e)})") from None
     if not isinstance(meta, dict):
         raise DataError(f"checkpoint {path} is corrupt: {META} is not an object")

@@ -46,6 +46,7 @@ from framework.checkpoint.io import load_plain, save_durable
 from framework.checkpoint.manifest import listed
 from framework.errors import DataError
 from framework.safe_unpickle import Refused, RestrictedUnpickler
+from framework.untrusted import open_regular
 
 # Single-process saves and loads are intended (no_dist); DCP warns about them anyway.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -230,7 +231,7 @@ def read_metadata(directory: Path):
 
     path = Path(directory) / METADATA
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             metadata = _metadata_unpickler(f).load()
     except FileNotFoundError:
         raise DataError(f"checkpoint {directory} is incomplete: no DCP {METADATA} file") from None

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from framework.errors import DataError
+from framework.untrusted import open_regular
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
@@ -64,7 +65,8 @@ def load_plain(path: Path, what: str | None = None):
     """
     path = Path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open_regular(path) as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as e:  # a truncated, foreign or crafted file

@@ -23,15 +23,15 @@ or running inference) accept a step directory (that checkpoint), a
 from __future__ import annotations
 
 import enum
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from framework import untrusted
 from framework.checkpoint.manifest import MANIFEST, META
-from framework.errors import DataError
+from framework.errors import DataError, first_line
 
 STEP = re.compile(r"^(?:\.old-)?step_(\d{8})$")
 
@@ -98,12 +98,12 @@ def _link(value) -> Link | None | _Unknown:
 
 
 def _read_json(path: Path):
-    try:
-        value = json.loads(path.read_text())
+    try:  # untrusted: a named pipe or a link to /dev/zero is refused, not read without end
+        value = untrusted.read_json(path)
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
-        return None, f"{path.name} cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    except (OSError, ValueError) as e:  # ValueError: untrusted.BadFile (not a regular file, not JSON, ...)
+        return None, f"{path.name} cannot be read ({first_line(e)})"
     if not isinstance(value, dict):
         return None, f"{path.name} is not an object"
     return value, None

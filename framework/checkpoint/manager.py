@@ -410,8 +410,18 @@ class CheckpointManager:
         missing = [p for p in ckpt_state.PARTS if p != "rng" and p not in state and p not in exclude]
         if missing:
             raise DataError(f"checkpoint {path} lacks {', '.join(missing)}")
-        ckpt_state.check(trainer, state, path, exclude)
-        ckpt_state.restore(trainer, state, exclude=exclude, full=reader.full_state)
+        try:
+            ckpt_state.check(trainer, state, path, exclude)
+            step = state["data"]["step"] if "data" not in exclude else None
+            if step is not None and isinstance(meta.get("step"), int) and step != meta["step"]:
+                raise DataError(f"checkpoint {path} is corrupt: it holds step {step}, its {META} says {meta['step']}")
+            ckpt_state.restore(trainer, state, exclude=exclude, full=reader.full_state)
+        except FrameworkError:
+            raise
+        except Exception as e:  # what the checks did not foresee: still one line, never a traceback
+            if _comm_failure(e):
+                raise
+            raise DataError(f"checkpoint {path} cannot be restored into this run: {first_line(e)}") from None
         if meta.get("init_from"):  # kept by the checkpoints to come: the run started from it
             trainer.init_from = meta["init_from"]
         if "rng" not in exclude:
@@ -434,7 +444,10 @@ class CheckpointManager:
             except Exception as e:
                 raise DataError(f"checkpoint file {f} cannot be used: {first_line(e)}") from None
         elif "rng" in state:  # older torch_save checkpoints: rank 0's state in state.pt
-            ckpt_state.set_rng_state(state["rng"])
+            try:
+                ckpt_state.set_rng_state(state["rng"])
+            except Exception as e:
+                raise DataError(f"checkpoint {path} holds an RNG state that cannot be used: {first_line(e)}") from None
         elif saved is not None and rank < saved:
             raise DataError(f"checkpoint {path} is incomplete: no RNG state of rank {rank} ({f.name})")
         else:

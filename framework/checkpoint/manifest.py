@@ -28,10 +28,13 @@ import hashlib
 import json
 import os
 import re
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
+from framework import untrusted
 from framework.checkpoint.io import write_durable
 from framework.errors import DataError
 
@@ -41,6 +44,11 @@ VERSION = 1
 ALGORITHM = "blake2b"  # 1.5-2x sha256 on CPUs without SHA extensions (benchmarks/checkpoint_io.py)
 ALGORITHMS = ("blake2b", "sha256")
 CHUNK = 64 << 20
+# What a manifest read may declare: this framework writes CHUNK (tests 4 KiB). A crafted
+# chunk_bytes of 1 would make every file that many chunks: the count is computed, never built,
+# and the floor and the cap keep what verify iterates near what a real checkpoint holds.
+MIN_CHUNK = 4096
+MAX_CHUNKS = 1 << 22  # 256 TiB of 64 MiB chunks
 _BLOCK = 8 << 20  # read size: one buffer per thread, reused
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 _local = threading.local()
@@ -92,6 +100,12 @@ def hash_range(path: Path, offset: int, length: int, algorithm: str = ALGORITHM)
             h.update(buf[:n])  # hashlib releases the GIL for large updates: threads scale
             left -= n
     return h.hexdigest()
+
+
+def _count(size: int, chunk: int) -> int:
+    """How many chunks ``_chunks(size, chunk)`` has, without building them (ceil in integers: a
+    float division is inexact past 2**53)."""
+    return -(-size // chunk) if size else 1
 
 
 def _chunks(size: int, chunk: int) -> list[tuple[int, int]]:
@@ -158,17 +172,15 @@ def write(directory: Path, manifest: dict) -> None:
 def read(directory: Path) -> dict | None:
     """The manifest of ``directory``; None if it has none (written before manifests)."""
     path = Path(directory) / MANIFEST
-    try:
-        text = path.read_text()
+    try:  # untrusted: a named pipe or a link to /dev/zero is refused, not read without end
+        m = untrusted.read_json(path)
     except FileNotFoundError:
         return None
     except OSError as e:
         raise CorruptCheckpoint(
             f"checkpoint {directory} is corrupt: {MANIFEST} cannot be read ({e.strerror or e})"
         ) from None
-    try:
-        m = json.loads(text)
-    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
+    except ValueError as e:  # untrusted.BadFile: not a regular file, too large, not JSON, nested too deep
         raise CorruptCheckpoint(f"checkpoint {directory} is corrupt: {MANIFEST} cannot be read ({e})") from None
     _check_schema(directory, m)
     return m
@@ -181,7 +193,7 @@ def _safe_name(name) -> bool:
 
 
 def _check_schema(directory, m) -> None:
-    def bad(why):
+    def bad(why) -> NoReturn:
         raise CorruptCheckpoint(f"checkpoint {directory} is corrupt: {MANIFEST} {why}")
 
     if not isinstance(m, dict):
@@ -191,11 +203,12 @@ def _check_schema(directory, m) -> None:
     if m.get("algorithm") not in ALGORITHMS:
         bad(f"names an unknown checksum algorithm {m.get('algorithm')!r}")
     chunk = m.get("chunk_bytes")
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
-        bad("has no valid chunk_bytes")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < MIN_CHUNK:
+        bad(f"has no valid chunk_bytes (at least {MIN_CHUNK})")
     files = m.get("files")
     if not isinstance(files, dict) or META not in files:
         bad(f"lists no files (or not {META})")
+    total = 0
     for name, entry in files.items():
         if not _safe_name(name):
             bad(f"lists a file outside the checkpoint: {name!r}")
@@ -206,10 +219,13 @@ def _check_schema(directory, m) -> None:
             or isinstance(size, bool)
             or size < 0
             or not isinstance(chunks, list)
-            or len(chunks) != len(_chunks(size, chunk))
+            or len(chunks) != _count(size, chunk)
             or not all(isinstance(c, str) and _HEX.match(c) for c in chunks)
         ):
             bad(f"has a malformed entry for {name}")
+        total += len(chunks)
+        if total > MAX_CHUNKS:
+            bad(f"lists more than {MAX_CHUNKS} chunks")
 
 
 def verify(
@@ -232,9 +248,12 @@ def verify(
     for name, entry in sorted(files.items()):
         path = directory / name
         try:
-            have = path.stat().st_size
+            st = path.stat()
         except FileNotFoundError:
             raise CorruptCheckpoint(f"checkpoint {directory} is incomplete: {name} is missing") from None
+        if not stat.S_ISREG(st.st_mode):  # a named pipe would block the hashing, a device never end
+            raise CorruptCheckpoint(f"checkpoint {directory} is corrupt: {name} is not a regular file")
+        have = st.st_size
         if have != entry["size"]:
             raise CorruptCheckpoint(
                 f"checkpoint {directory} is corrupt: {name} has {have} bytes, its manifest says {entry['size']}"

@@ -149,7 +149,121 @@ def check(t, state: dict, path, exclude=()) -> None:
     meta = state.get("meta")
     run_id = meta.get("run_id") if isinstance(meta, dict) else None
     if run_id is not None and not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
-        raise DataError(f"checkpoint {path}: run id {str(run_id)[:80]!r} is not a run id (letters, digits, _ and -)")
+        raise DataError(f"checkpoint {path}: run id {_show(run_id)} is not a run id (letters, digits, _ and -)")
+    if "data" not in exclude:
+        data = state.get("data")
+        step = data.get("step") if isinstance(data, dict) else None
+        if step is None:
+            raise DataError(f"checkpoint {path}: its data state holds no step")
+        if type(step) is not int or step < 0:  # bool is not a step
+            raise DataError(f"checkpoint {path}: its data step {_show(step)} is not a step (an integer >= 0)")
+    # The tensors against the live objects: set_*_state_dict would fail with a traceback (or, for
+    # an optimizer moment, train until the first step) on any other name, shape or group.
+    live = template(t, exclude)
+    if "model" in live:
+        _check_model(state.get("model"), live["model"], path)
+    if "optimizer" in live:
+        _check_optimizer(state.get("optimizer"), live["optimizer"], get_model_state_dict(t.model), path)
+
+
+def _check_model(model, live: dict, path) -> None:
+    """The model state names this model's tensors, with their dtypes and (global) shapes (DCP's
+    loader checked that already; a torch_save file is checked here)."""
+    from framework.checkpoint.backend import check_expected
+
+    if not isinstance(model, dict):
+        raise DataError(f"checkpoint {path}: the model state is a {type(model).__name__}, not a dict")
+    have = {k: (v.dtype, tuple(v.shape)) for k, v in model.items() if torch.is_tensor(v)}
+    check_expected(have, {k: v for k, v in live.items() if torch.is_tensor(v)}, path)
+
+
+def _show(v) -> str:
+    """``v`` in a message: a short repr of a plain value, else its type (a crafted value may nest
+    too deeply for repr)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)[:80]
+    return f"a {type(v).__name__}"
+
+
+def _kind(v, nested: bool = True) -> str:
+    """What a hyper-parameter is: number, bool, str, None, tensor, or a sequence of those (one
+    level: a crafted value may nest without end)."""
+    if v is None or isinstance(v, (bool, str)):
+        return type(v).__name__
+    if isinstance(v, (int, float)):
+        return "number"
+    if torch.is_tensor(v):
+        return "tensor"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_kind(x, False) for x in v[:16]) + ")" if nested else "sequence"
+    return type(v).__name__
+
+
+def _is_lr(v) -> bool:
+    if torch.is_tensor(v):
+        return v.numel() == 1 and v.is_floating_point()
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_optimizer(saved, live: dict, params: dict, path) -> None:
+    """The optimizer state is what ``torch.optim`` loads into the live optimizer: as many param
+    groups, each a dict naming the same parameters (by FQN) with an ``lr`` and the live group's
+    value types (the config then sets the hyper-parameters); state only for those parameters,
+    with the live state's entries (or, where the live optimizer holds none, tensors of the
+    parameter's shape or scalars) of the same shapes."""
+    where = f"checkpoint {path}: the optimizer state"
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        raise DataError(f"{where} is not a dict with a 'state' dict")
+    groups, mine = saved.get("param_groups"), live["param_groups"]
+    if not isinstance(groups, list):
+        raise DataError(f"{where}: param_groups is a {type(groups).__name__}, not a list")
+    if len(groups) != len(mine):
+        raise DataError(f"{where} has {len(groups)} param groups, this optimizer {len(mine)}")
+    names: set[str] = set()
+    for i, (g, want) in enumerate(zip(groups, mine)):
+        if not isinstance(g, dict):
+            raise DataError(f"{where}: param group {i} is a {type(g).__name__}, not a dict")
+        ps = g.get("params")
+        if not isinstance(ps, list) or not all(isinstance(p, str) for p in ps) or sorted(ps) != sorted(want["params"]):
+            raise DataError(f"{where}: param group {i} does not name this model's parameters of that group")
+        names.update(ps)
+        if not _is_lr(g.get("lr")):
+            raise DataError(f"{where}: param group {i} has no learning rate (lr {_show(g.get('lr'))})")
+        for k, v in want.items():
+            if k in ("params", "lr") or k not in g or v is None or g[k] is None:
+                continue  # a key an older torch lacked gets its default; None: any value (foreach, fused)
+            if _kind(g[k]) != _kind(v):
+                raise DataError(f"{where}: param group {i}'s {k} is {_kind(g[k])}, expected {_kind(v)}")
+    for fqn, entry in saved["state"].items():
+        if fqn not in names:
+            raise DataError(f"{where} has state for {_show(fqn)}, which this optimizer does not hold")
+        if not isinstance(entry, dict):
+            raise DataError(f"{where} of {fqn} is a {type(entry).__name__}, not a dict")
+        _check_entry(entry, live["state"].get(fqn), params.get(fqn), f"{where} of {fqn}")
+
+
+def _check_entry(entry: dict, live: dict | None, param, where: str) -> None:
+    """One parameter's optimizer state against the live optimizer's (``live``; None where it holds
+    none for that parameter): each of the live entries, of its kind and shape (the optimizer's
+    step would fail on a missing or other one); anything else a plain value, a scalar or a tensor
+    of ``param``'s shape."""
+    missing = sorted(set(live or ()) - set(entry))
+    if missing:
+        raise DataError(f"{where} lacks {missing[0]}")
+    for k, v in entry.items():
+        want = live.get(k) if live is not None else None
+        if live is not None and k in live and not torch.is_tensor(want):
+            ok, expected = _kind(v) == _kind(want), f"a {_kind(want)}"
+        elif want is not None and want.dim() > 0:
+            ok, expected = torch.is_tensor(v) and v.shape == want.shape, f"of shape {list(want.shape)}"
+        elif want is not None:  # a scalar (Adam's step: a tensor; a number from an older torch)
+            ok, expected = _kind(v) == "number" or torch.is_tensor(v) and v.dim() == 0, "a scalar"
+        else:
+            shapes = [(), *([tuple(param.shape)] if param is not None else [])]
+            ok, expected = not torch.is_tensor(v) or tuple(v.shape) in shapes, f"of shape {list(shapes[-1])}"
+        if not ok:
+            got = f"a tensor of shape {list(v.shape)}" if torch.is_tensor(v) else f"a {type(v).__name__}"
+            raise DataError(f"{where}: {k} is {got}, expected {expected}")
 
 
 def _same_lambda_fields(saved, live) -> bool:

@@ -3,15 +3,22 @@ outside the checkpoint; errors are one line and never advise ``weights_only=Fals
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
+import os
 import pathlib
 import pickle
+import re
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
+from framework.checkpoint import manifest as manifest_mod
 from framework.checkpoint.dcp import DcpBackend, read_metadata
 from framework.checkpoint.manager import CheckpointManager
 from framework.checkpoint.torch_save import TorchSaveBackend
@@ -319,7 +326,7 @@ def test_a_plain_value_at_a_huge_list_index_is_refused(tmp_path):
 def test_json_nested_too_deep_is_a_corrupt_checkpoint_not_a_traceback(tmp_path, name):
     m, _, path = saved(tmp_path)
     (path / name).write_text("[" * 100_000)
-    with pytest.raises(DataError, match=rf"is corrupt: {name} cannot be read \(maximum recursion depth"):
+    with pytest.raises(DataError, match=rf"is corrupt: {name} cannot be read \(.*{name} nests its JSON too deeply\)$"):
         m.load(path, make_trainer(seed=1))
 
 
@@ -339,3 +346,233 @@ def test_a_tensor_shape_larger_than_the_data_files_is_refused_before_allocation(
     settle_manifest(path, "reforge")
     with pytest.raises(DataError, match=r"corrupt: .metadata declares \d+ bytes of tensors, its data files hold \d+$"):
         load_model_weights(path)
+
+
+# -- a manifest's chunk count, special files, contents that verify but do not fit ---------------
+def _set_manifest(path, **edits) -> None:
+    """Edit manifest.json as an attacker could (it is not a signature)."""
+    man = json.loads((path / "manifest.json").read_text())
+    man.update({k: v for k, v in edits.items() if k != "files"})
+    man["files"] = {**edits.get("files", {}), **man["files"], **edits.get("files", {})}  # edited ones first
+    (path / "manifest.json").write_text(json.dumps(man))
+
+
+@contextlib.contextmanager
+def _memory_capped(extra: int = 1 << 30):
+    """Address space capped at what the process maps now plus ``extra``: an allocation the code
+    must never make fails at once (MemoryError) instead of filling the machine."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    kb = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (kb * 1024 + extra, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.parametrize(
+    "chunk,size,error",
+    [(1, 10**12, r"has no valid chunk_bytes \(at least 4096\)"), (4096, 10**18, "has a malformed entry for state.pt")],
+    ids=["chunk-of-one-byte", "size-of-an-exabyte"],
+)
+def test_a_manifest_declaring_countless_chunks_is_refused_without_listing_them(tmp_path, chunk, size, error):
+    """The schema check compared the chunk list with a list of every (offset, length) the size
+    makes: a 1 kB manifest declaring 10**12 one-byte chunks was a MemoryError traceback (or all
+    the machine's memory). The count is computed; chunk_bytes has a floor."""
+    m, _, path = saved(tmp_path, "torch_save")
+    _set_manifest(path, chunk_bytes=chunk, files={"state.pt": {"size": size, "chunks": []}})
+    with _memory_capped(), pytest.raises(DataError) as info:
+        m.load(path, make_trainer(seed=1))
+    assert re.search(rf"checkpoint {re.escape(str(path))} is corrupt: manifest.json {error}$", one_line(info.value))
+
+
+def _special(path, kind: str) -> None:
+    """Replace the file ``path`` by a named pipe (an open blocks until a writer comes) or a link to
+    /dev/zero (a read never ends)."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@contextlib.contextmanager
+def _released(fifo, after: float = 20.0):
+    """Yields a list that is non-empty if, ``after`` seconds on, the block is still running: then
+    ``fifo`` is opened and closed for writing until the block ends, so that a reader blocked on it
+    (a hang: the thread pool that hashes files cannot be interrupted) gets an end of file and the
+    test fails instead of hanging."""
+    done, waited = threading.Event(), []
+
+    def release() -> None:
+        if done.wait(after):
+            return
+        waited.append(after)
+        while not done.wait(0.1):
+            with contextlib.suppress(OSError):  # ENXIO: no reader at the moment
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    try:
+        yield waited
+    finally:
+        done.set()
+        thread.join()
+
+
+@pytest.mark.timeout(120)  # before: these hung for ever (or read /dev/zero until memory ran out)
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+@pytest.mark.parametrize("name", ["meta.json", "manifest.json"])
+def test_a_pipe_or_device_as_a_json_file_is_a_corrupt_checkpoint_not_a_hang(tmp_path, name, kind):
+    """Named on resume (the locator reads both files) and loaded (verification reads them again)."""
+    m, _, path = saved(tmp_path)
+    _special(path / name, kind)
+    m.cfg.resume = str(path)
+    with _released(path / name) as waited:
+        for attempt in (m.resume_path, lambda: m.load(path, make_trainer(seed=1))):
+            with pytest.raises(DataError) as info:
+                attempt()
+            text = one_line(info.value)
+            assert text == f"checkpoint {path} is corrupt: {name} cannot be read ({path / name} is not a regular file)"
+    assert not waited, "the reader waited on the pipe"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "backend,name,how", [("dcp", ".metadata", "drop"), ("torch_save", "state.pt", "forge")], ids=["dcp", "torch"]
+)
+def test_a_pipe_as_a_checkpoint_data_file_is_refused_not_waited_on(tmp_path, backend, name, how):
+    """With a manifest forged to list the pipe's size (0), the hashing opened it; without one (an
+    older checkpoint), the loader did."""
+    m, _, path = saved(tmp_path, backend)
+    _special(path / name, "fifo")
+    if how == "drop":
+        (path / "manifest.json").unlink()
+    else:
+        _set_manifest(path, files={name: {"size": 0, "chunks": [hashlib.blake2b(digest_size=32).hexdigest()]}})
+    with _released(path / name) as waited, pytest.raises(DataError) as info:
+        m.load(path, make_trainer(seed=1))
+    assert not waited, "the loader waited on the pipe"
+    assert one_line(info.value).endswith("is not a regular file)" if how == "drop" else f"{name} is not a regular file")
+
+
+@pytest.mark.timeout(120)
+def test_resume_latest_and_export_pass_a_checkpoint_whose_manifest_is_a_pipe(tmp_path, caplog):
+    """The CLI's first look at a run dir (rerun.resume_point, before training) and export hung on a
+    named pipe as the newest checkpoint's manifest; now it is skipped like a corrupt manifest, and
+    refused in one line when named."""
+    from framework import rerun
+
+    m, t, older = saved(tmp_path, "torch_save", config=CONFIG)
+    train(t, 1)
+    newest = m.save(t, CONFIG)
+    _special(newest / "manifest.json", "fifo")
+    run = tmp_path / "run"
+    with _released(newest / "manifest.json") as waited:
+        point = rerun.resume_point("latest", run)
+        with caplog.at_level(logging.WARNING, logger="framework"):
+            assert m.resume_path() == older
+    assert not waited, "the locator waited on the pipe"
+    assert point == {"step": 1, "checkpoint": str(older)}
+    assert f"checkpoint {newest} is corrupt: manifest.json cannot be read" in caplog.text
+    proc = run_module("framework.export", [str(run), str(tmp_path / "out.pt")], REPO, timeout=90)
+    assert proc.returncode == 0 and "of step 1" in proc.stdout, proc.stderr
+    proc = run_module("framework.export", [str(newest), str(tmp_path / "out.pt")], REPO, timeout=90)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: checkpoint {newest} is corrupt: manifest.json cannot be read "
+        f"({newest / 'manifest.json'} is not a regular file)"
+    ]
+
+
+def _first_param(s: dict) -> str:
+    return next(iter(s["model"] if "model" in s else s["param_groups"][0]["params"]))
+
+
+def _optimizer(s: dict) -> dict:
+    """The optimizer state of state.pt, or extra.pt's param groups (DCP) as {"param_groups"}."""
+    return s["optimizer"] if "optimizer" in s else s
+
+
+RESTORE_EDITS = {
+    "step-str": (lambda s: s["data"].update(step="abc"), r"its data step 'abc' is not a step"),
+    "step-missing": (lambda s: s.update(data={}), r"its data state holds no step"),
+    "step-negative": (lambda s: s["data"].update(step=-5), r"its data step -5 is not a step"),
+    "step-other": (lambda s: s["data"].update(step=10**12), r"it holds step 1000000000000, its meta.json says 1"),
+    "groups-str": (lambda s: _optimizer(s).update(param_groups="abc"), r"param_groups is a str, not a list"),
+    "groups-empty": (lambda s: _optimizer(s).update(param_groups=[]), r"has 0 param groups, this optimizer 1"),
+    "group-params": (
+        lambda s: _optimizer(s)["param_groups"][0].update(params=["nope"]),
+        r"param group 0 does not name this model's parameters",
+    ),
+    "group-no-lr": (lambda s: _optimizer(s)["param_groups"][0].pop("lr"), r"param group 0 has no learning rate"),
+    "group-betas": (
+        lambda s: _optimizer(s)["param_groups"][0].update(betas="ab"),
+        r"param group 0's betas is str, expected \(number, number\)",
+    ),
+}
+TORCH_SAVE_EDITS = {
+    "optimizer-garbage": (
+        lambda s: s.update(optimizer={"state": 5, "param_groups": "x"}),
+        r"the optimizer state is not a dict with a 'state' dict",
+    ),
+    "moment-shape": (
+        lambda s: s["optimizer"]["state"][_first_param(s)].update(exp_avg=torch.zeros(2)),
+        r"the optimizer state of 0.weight: exp_avg is a tensor of shape \[2\], expected of shape \[8, 4\]",
+    ),
+    "moment-missing": (
+        lambda s: s["optimizer"]["state"][_first_param(s)].pop("exp_avg_sq"),
+        r"the optimizer state of 0.weight lacks exp_avg_sq$",
+    ),
+    "state-other-param": (
+        lambda s: s["optimizer"]["state"].update(nope={}),
+        r"the optimizer state has state for 'nope', which this optimizer does not hold",
+    ),
+    "model-shape": (
+        lambda s: s["model"].update({_first_param(s): torch.zeros(3, 3)}),
+        r"cannot be loaded into this model: 0.weight is float32\[3, 3\] in the checkpoint, float32\[8, 4\] here",
+    ),
+    "model-dtype": (
+        lambda s: s["model"].update({_first_param(s): torch.zeros(8, 4, dtype=torch.float64)}),
+        r"0.weight is float64\[8, 4\] in the checkpoint, float32\[8, 4\] here",
+    ),
+}
+EDITS = [(b, k) for b in ("dcp", "torch_save") for k in RESTORE_EDITS] + [("torch_save", k) for k in TORCH_SAVE_EDITS]
+
+
+@pytest.mark.parametrize("backend,edit", EDITS, ids=[f"{b}-{k}" for b, k in EDITS])
+def test_state_that_verifies_but_does_not_fit_is_one_line_and_the_checkpoint_stays(tmp_path, backend, edit):
+    """A checkpoint whose manifest was re-forged over wrong contents: a step that is no step, an
+    optimizer state torch cannot load (or loads, to fail at the first training step), a model
+    tensor of another shape. Each was a traceback (exit 1) on resume, some only after training
+    had started; now one DataError before anything is restored, and the checkpoint untouched."""
+    change, error = {**RESTORE_EDITS, **TORCH_SAVE_EDITS}[edit]
+    m, _, path = saved(tmp_path, backend)
+    _edit_small_state(path, backend, change)
+    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    b = make_trainer(seed=1)
+    with pytest.raises(DataError) as info:
+        m.load(path, b)
+    text = one_line(info.value)
+    assert str(path) in text and re.search(error, text), text
+    assert b.step == 0  # nothing restored
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+    man = manifest_mod.read(path)
+    assert man is not None
+    manifest_mod.verify(path, man, json.loads((path / "meta.json").read_text()), full=True)  # still verifies
+
+
+def test_a_restore_failure_the_checks_do_not_foresee_is_one_line_naming_the_checkpoint(tmp_path):
+    """Whatever else torch refuses while restoring (here a GradScaler state without its growth
+    factor: a KeyError) is one DataError naming the checkpoint, not a traceback."""
+    m = CheckpointManager(CheckpointConfig(name="torch_save"), TorchSaveBackend(), tmp_path / "run", DistEnv())
+    t = make_trainer(scaler=True)
+    train(t, 1)
+    path = m.save(t, {"seed": 0})
+    _edit_small_state(path, "torch_save", lambda s: s.update(scaler={"scale": 1.0}))
+    with pytest.raises(DataError) as info:
+        m.load(path, make_trainer(seed=1, scaler=True))
+    assert one_line(info.value) == f"checkpoint {path} cannot be restored into this run: 'growth_factor'"
