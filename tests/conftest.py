@@ -170,6 +170,18 @@ def benchmark_json(script: str, *args) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+def wait_for_files(proc, folder: Path, pattern: str, what: str, timeout_s: float = 120) -> None:
+    """Wait until ``folder`` holds something matching ``pattern`` while ``proc`` runs (e.g. a
+    write to interrupt midway); fail with its stderr if it ends first."""
+    import time
+
+    t0 = time.time()
+    while not list(folder.glob(pattern)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() - t0 < timeout_s, f"{what} never started"
+        time.sleep(0.05)
+
+
 def tiny_overrides(tmp_path, data_root, **extra):
     """A fast tiny run: small synthetic grid and few steps, outputs under tmp_path."""
     o = {
@@ -192,9 +204,21 @@ def tiny_overrides(tmp_path, data_root, **extra):
     return [f"{k}={v}" for k, v in o.items()]
 
 
+# A rank that dies of a native crash inside torch: a heap corruption ("free(): invalid size") in
+# the FSDP2 roundtrip's first full_tensor on gloo, before any save, about once in 100+ runs on
+# CI, never reproduced here in 350 tries (glibc's malloc checks on); a SIGSEGV once before. Such a
+# test runs once more with fresh fixtures (pytest-rerunfailures, reported as a rerun); a Python
+# failure, an assertion or a rank's exception, is never rerun.
+NATIVE_CRASH = r"process \d+ terminated with signal SIG(ABRT|SEGV|BUS)"
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if config.pluginmanager.hasplugin("rerunfailures"):  # a dev install has it; the GPU machine may not
+        rerun = pytest.mark.flaky(reruns=1, only_rerun=[NATIVE_CRASH])
+        for item in items:
+            item.add_marker(rerun)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run with -m gpu on the GPU machine)")
