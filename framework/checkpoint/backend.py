@@ -202,5 +202,15 @@ def first_difference(
     return None
 
 
+def first_non_finite(weights: Mapping[str, torch.Tensor]) -> str | None:
+    """The first floating-point tensor of ``weights`` holding NaN or Inf, in words; None if none.
+    Weights from others are checked before use: such a model only shows itself later, as a
+    non-finite loss or forecast."""
+    for k, t in weights.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"{k} holds non-finite values (NaN or Inf)"
+    return None
+
+
 def _describe(dtype, shape) -> str:
     return f"{str(dtype).replace('torch.', '')}{list(shape)}"

@@ -48,12 +48,13 @@ def read_own(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 def apply(model: torch.nn.Module, weights: dict[str, torch.Tensor], source, what: str = WHAT) -> int:
     """Copy ``weights`` into ``model`` after checking that names and shapes are exactly the
-    model's (dtypes may differ: the copy casts); returns the number of tensors. A difference is
-    one ConfigError line naming ``source`` and the first name that differs; nothing is copied."""
-    from framework.checkpoint.backend import first_difference
+    model's (dtypes may differ: the copy casts) and that they are finite; returns the number of
+    tensors. A difference is one ConfigError line naming ``source`` and the first name that
+    differs; nothing is copied."""
+    from framework.checkpoint.backend import first_difference, first_non_finite
 
     have = {k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}
-    why = first_difference(have, model.state_dict(), dtypes=False, there="there")
+    why = first_difference(have, model.state_dict(), dtypes=False, there="there") or first_non_finite(weights)
     if why:
         raise ConfigError(f"{what}: {source} does not fit the model: {why}")
     with torch.no_grad():

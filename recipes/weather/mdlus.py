@@ -512,10 +512,15 @@ def _dit_model(path, kw: dict, where: str) -> tuple[dict, list[int], int, int]:
         if len(patch) != 2 or patch[0] != patch[1]:
             _fail(path, f"args.json {where}: patch_size={patch!r} (ours: square patches)")
         patch = patch[0]
+    tok_pos = tok.get("pos_embed", "learnable")
+    if tok_pos not in ("learnable", "none"):  # no other value means anything we could build
+        _fail(
+            path, f"args.json {where}: tokenizer pos_embed={tok_pos!r} is not supported (ours: 'learnable' or 'none')"
+        )
     if backend == "natten2d_rope":
         pos = "rope"
     else:
-        pos = "learned" if tok.get("pos_embed", "learnable") == "learnable" else "none"
+        pos = "learned" if tok_pos == "learnable" else "none"
     grid = _grid(path, kw.get("input_size"), f"{where} input_size")
     in_ch = kw.get("in_channels")
     out_ch = kw.get("out_channels") or in_ch
@@ -542,7 +547,7 @@ def _dit_model(path, kw: dict, where: str) -> tuple[dict, list[int], int, int]:
 
 def _sigma_data(path, value) -> list[float]:
     values = value if isinstance(value, list) else [value]
-    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+    if not values or not all(is_number(v) and v > 0 for v in values):
         _fail(path, f"args.json sigma_data={value!r} must be positive numbers")
     return [float(v) for v in values]
 
@@ -928,6 +933,8 @@ def read_mdlus(path, *, channels: dict | None = None) -> tuple[dict, dict[str, t
             continue
         if not value.is_floating_point():  # a complex or integer tensor would be cast to real floats, silently
             _fail(path, f"model.pt tensor {key!r} is {str(value.dtype).removeprefix('torch.')}, not floating point")
+        if not bool(torch.isfinite(value).all()):  # would only show as a non-finite loss (exit 4) later
+            _fail(path, f"model.pt tensor {key!r} holds non-finite values (NaN or Inf)")
         const = _is_constant(config, key)
         if const is not None:
             if value.shape != const.shape or not torch.allclose(value.float(), const, rtol=1e-6, atol=0):

@@ -57,6 +57,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -718,15 +719,48 @@ def _write(root, **kwargs) -> tuple[Path, bool]:
     if _check_existing(root, params):
         return root, False
     root.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_writers(root)
     # SIGTERM (a scheduler's cancel, torchrun stopping its workers) raises here, so that the
-    # partial copy is removed; kill -9 leaves it (a hidden .tmp- sibling, never read)
+    # partial copy is removed; kill -9 leaves it (a hidden .tmp- sibling, never read), and the
+    # next write beside it on this host removes it
     with sigterm_raises(f"writing the synthetic stores at {root} (the partial copy was removed)"):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(root) + f"{os.getpid()}-", dir=root.parent))
         try:
             _build(tmp, params)
             return root, _publish(tmp, root, params)
         finally:
             _remove(tmp)
+
+
+def _tmp_prefix(root: Path) -> str:
+    """A partial copy's name up to its writer's pid: the host names it, since on a shared file
+    system only this host can tell whether one of its processes is still alive."""
+    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
+    return f".{root.name}.tmp-{host}-"
+
+
+def _remove_dead_writers(root: Path) -> None:
+    """Remove the partial copies that writers on this host left when they were killed (kill -9,
+    the OOM killer): those whose pid no longer runs. A live writer's copy is never touched."""
+    prefix = _tmp_prefix(root)
+    try:
+        leftovers = [p for p in root.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:  # no parent yet: nothing left over
+        return
+    for tmp in leftovers:
+        pid = tmp.name[len(prefix) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)) and tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):  # another user's process, or not a pid
+        return True
+    return True
 
 
 def _remove(tmp: Path) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from framework import registry
+from framework.checkpoint.backend import first_non_finite
 from framework.errors import ConfigError, DataError, first_line
 from framework.untrusted import is_int, is_number, mapping, read_json
 from recipes.weather.layout import naming_of
@@ -275,6 +276,9 @@ def load(path, device="cpu", *, data=None) -> tuple[torch.nn.Module, ModelInfo]:
             f"{info.path}: weights do not fit the {info.name} model: missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}"
         )
+    bad = first_non_finite(weights)
+    if bad:
+        raise DataError(f"{info.path}: weight {bad}")
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:

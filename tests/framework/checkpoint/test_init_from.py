@@ -41,11 +41,19 @@ def test_apply_copies_exactly_the_weights():
             lambda sd: sd.update({"0.weight": torch.zeros(9, 4)}),
             r"src.pt does not fit the model: 0.weight is float32\[9, 4\] there, float32\[8, 4\] here$",
         ),
+        (
+            lambda sd: sd["2.weight"].view(-1)[1].fill_(float("nan")),
+            r"src.pt does not fit the model: 2.weight holds non-finite values \(NaN or Inf\)$",
+        ),
+        (
+            lambda sd: sd["0.bias"].fill_(float("-inf")),
+            r"src.pt does not fit the model: 0.bias holds non-finite values \(NaN or Inf\)$",
+        ),
     ],
-    ids=["missing", "unexpected", "shape"],
+    ids=["missing", "unexpected", "shape", "nan", "inf"],
 )
-def test_apply_refuses_other_names_or_shapes_in_one_line_and_copies_nothing(edit, message):
-    sd, dst = net(0).state_dict(), net(1)
+def test_apply_refuses_other_names_shapes_or_non_finite_weights_in_one_line_and_copies_nothing(edit, message):
+    sd, dst = {k: v.clone() for k, v in net(0).state_dict().items()}, net(1)
     before = {k: v.clone() for k, v in dst.state_dict().items()}
     edit(sd)
     with pytest.raises(ConfigError, match=rf"^checkpoint.init_from: {message}") as e:

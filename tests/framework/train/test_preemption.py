@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from framework.logging.jsonl import read
-from tests.conftest import framework_command, run_cli, tiny_overrides
+from tests.conftest import framework_command, run_cli, tiny_overrides, wait_for_files
 
 pytestmark = pytest.mark.timeout(600)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as _launch: the curves compared to 1e-5 come from one thread each
@@ -209,11 +209,7 @@ def test_sigterm_while_the_synthetic_stores_are_written_removes_the_partial_copy
     args = _overrides(tmp_path, "run", **big)
     proc = _launch(args, 1, tmp_path)
     try:
-        t0 = time.time()
-        while not list(tmp_path.glob(".data.tmp-*/*")):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.time() - t0 < 120, "the synthetic stores were never started"
-            time.sleep(0.05)
+        wait_for_files(proc, tmp_path, ".data.tmp-*/*", "the synthetic write")
         os.kill(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:

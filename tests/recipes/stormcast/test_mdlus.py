@@ -732,6 +732,7 @@ HOSTILE_ARGS = [  # (net, argument overrides, what the one line says): each cras
     ("dit", dict(attn_kwargs="abc"), "DiT: attn_kwargs='abc' must be an object"),
     ("dit", dict(attn_kwargs={"attn_kernel": "3"}), "DiT attn_kwargs: attn_kernel='3' must be an int"),
     ("dit", dict(use_nan_mask_tokens="false"), "DiT: use_nan_mask_tokens='false' must be a boolean"),  # was True
+    ("dit", dict(tokenizer_kwargs={"pos_embed": "sincos"}), "DiT: tokenizer pos_embed='sincos' is not supported"),
     ("songunet", dict(attn_resolutions="x"), "StormCastUNet: attn_resolutions='x' must be a list of ints"),
     ("songunet", dict(additive_pos_embed="no"), "StormCastUNet: additive_pos_embed='no' must be a boolean"),
 ]
@@ -782,6 +783,31 @@ def test_weights_that_are_not_floating_point_are_refused(tmp_path, dtype):
     path = save_like_physicsnemo(tmp_path / "dtype.mdlus", sd, args, meta)
     name = str(dtype).removeprefix("torch.")
     with pytest.raises(DataError, match=rf"dtype.mdlus: model.pt tensor '{key}' is {name}, not floating point$"):
+        mdlus.read_mdlus(path)
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    """NaN or Inf in a weight only showed later, as a non-finite loss (exit 4): one line naming the tensor."""
+    sd, args, meta = regression_archive(regression_model())
+    key = f"model.enc.{GRID[0]}x{GRID[0]}_conv.weight"
+    for bad in (float("nan"), float("inf")):
+        sd[key] = sd[key].clone()
+        sd[key].view(-1)[3] = bad
+        path = save_like_physicsnemo(tmp_path / "nan.mdlus", sd, args, meta)
+        with pytest.raises(
+            DataError, match=rf"nan.mdlus: model.pt tensor '{key}' holds non-finite values \(NaN or Inf\)$"
+        ):
+            mdlus.read_mdlus(path)
+
+
+@pytest.mark.parametrize("sigma", [float("inf"), [0.5, float("nan")]])
+def test_a_non_finite_sigma_data_is_refused(tmp_path, sigma):
+    """JSON's Infinity and NaN passed as positive numbers before."""
+    model = dit_model()
+    sd, args, meta = dit_archive(model)
+    args["__args__"]["sigma_data"] = sigma
+    path = save_like_physicsnemo(tmp_path / "sigma.mdlus", sd, args, meta)
+    with pytest.raises(DataError, match=r"sigma.mdlus: args.json sigma_data=.* must be positive numbers$"):
         mdlus.read_mdlus(path)
 
 

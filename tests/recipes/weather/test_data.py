@@ -175,6 +175,33 @@ def test_concurrent_writers_share_the_winner(tmp_path, monkeypatch):
     assert make(root, years=(2020,))[0]["state"].shape == (len(HRRR), H, W)
 
 
+def test_a_killed_writers_partial_copy_is_removed_by_the_next_write(tmp_path):
+    """kill -9 leaves the hidden partial copy; the next write beside it on this host removes it,
+    and never a live writer's copy (this process's own) or another host's."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import wait_for_files
+
+    root = tmp_path / "store"
+    args = ["--root", str(root), "--height", "128", "--width", "128", "--years", "2020", "--hours-per-year", "400"]
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.weather.synthetic", *args], stderr=subprocess.PIPE)
+    try:
+        wait_for_files(proc, tmp_path, ".store.tmp-*/*", "the synthetic write")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+    (dead,) = tmp_path.glob(".store.tmp-*")
+    live = tmp_path / f"{synthetic._tmp_prefix(root)}{os.getpid()}-x"
+    other = tmp_path / ".store.tmp-otherhost-1-x"
+    for d in (live, other):
+        d.mkdir()
+    assert write_synthetic(root, **SMALL) == root
+    assert not dead.exists() and live.is_dir() and other.is_dir()
+
+
 def test_cli(tmp_path, capsys):
     root = tmp_path / "cli"
     args = ["--root", str(root), "--height", "8", "--width", "12", "--years", "2020", "--hours-per-year", "3"]

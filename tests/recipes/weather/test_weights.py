@@ -82,3 +82,18 @@ def test_a_malformed_sidecar_is_one_line_naming_the_json_and_the_field(tmp_path,
         weights.describe(pt)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{side}: ") and expect in msg, msg
+
+
+def test_weights_holding_nan_or_inf_are_refused_in_one_line(tmp_path):
+    """A model whose weights hold NaN or Inf would only show itself in its forecasts: refused at load."""
+    import torch
+
+    pt, _ = export(tmp_path, SIDECAR)
+    sd = weights.build(weights.describe(pt)).state_dict()
+    torch.save(sd, pt)
+    model, _ = weights.load(pt)  # as written, it loads
+    key = next(k for k, v in sd.items() if v.is_floating_point() and v.numel() > 1)
+    sd[key].view(-1)[1] = float("nan")
+    torch.save(sd, pt)
+    with pytest.raises(DataError, match=rf"^{pt}: weight {key} holds non-finite values \(NaN or Inf\)$"):
+        weights.load(pt)
