@@ -80,6 +80,7 @@ def test_async_blocks_less_than_sync_and_saves_the_state_of_its_step(tmp_path):
     assert fresh.step == 2
     for k, v in fresh.model.state_dict().items():
         assert torch.equal(v, snapshot[k]), k
+    assert len(fresh.optimizer.state) == len(moments) > 0  # zip below would check nothing otherwise
     for s, expected in zip(fresh.optimizer.state.values(), moments):
         assert torch.equal(s["exp_avg"], expected)
     assert not torch.equal(t.model[0].weight, snapshot["0.weight"])  # training did move on

@@ -287,6 +287,7 @@ def test_resume_takes_optimizer_hyper_parameters_from_the_config(tmp_path, backe
     assert g["lr"] == 4e-4 * (1.0 / (1 + 3)) and g["initial_lr"] == 4e-4 and b.scheduler.base_lrs == [4e-4]
     assert g["betas"] == (0.8, 0.95) and g["weight_decay"] == 0.1
     assert b.scheduler.get_last_lr() == [g["lr"]] and b.scheduler.last_epoch == 3
+    assert len(b.optimizer.state) == len(moments) > 0
     for s, want in zip(b.optimizer.state.values(), moments):  # the state itself is the checkpoint's
         assert torch.equal(s["exp_avg"], want)
     assert (

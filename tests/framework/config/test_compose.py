@@ -1,4 +1,4 @@
-"""Every shipped option composes and validates (or fails with its 'not available yet' line)."""
+"""Every shipped option composes and validates."""
 
 from pathlib import Path
 
@@ -11,8 +11,6 @@ from framework.errors import ConfigError
 GROUPS = sorted(p.name for p in Path(CONF_DIR).iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((Path(CONF_DIR) / g).glob("*.yaml"))]
 
-# Options whose feature lands with a later issue: they must fail loudly, naming it.
-PENDING: set = set()
 # Diffusion recipes name their regression stage: given an export made from the matching
 # regression recipe (its config is what the start-up check reads).
 REGRESSION_OF = {
@@ -71,13 +69,9 @@ def test_option_composes(compose, tmp_path, group, option):
         overrides.append("data.grid=[64,64]")  # patch 4
     if group == "recipe" and option in REGRESSION_OF:
         overrides.append(f"task.regression={regression_export(compose, tmp_path, REGRESSION_OF[option])}")
-    cfg = compose(overrides)
-    if (group, option) in PENDING:
-        with pytest.raises(ConfigError, match="not available yet"):
-            validate(cfg)
-    else:
-        run = validate(cfg)
-        assert run.raw is not None
+    run = validate(compose(overrides))  # raises (a ConfigError naming the problem) if it does not validate
+    if group == "recipe":
+        assert run.recipe == option
 
 
 def test_default_is_tiny_recipe(compose):

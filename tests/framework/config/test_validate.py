@@ -62,7 +62,7 @@ def test_target_check_runs_before_import(compose, monkeypatch):
     calls = []
     real = importlib.import_module
     monkeypatch.setattr(importlib, "import_module", lambda n, *a: calls.append(n) or real(n, *a))
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"target 'evilpkg_never_imported\.Opt' is not allowed"):
         validate(compose(["optim._target_=evilpkg_never_imported.Opt"]))
     assert "evilpkg_never_imported" not in calls
 

@@ -496,7 +496,7 @@ def test_writer_refuses_weights_that_do_not_fit(tmp_path):
     with pytest.raises(DataError, match="enc.32_conv.weight"):
         mdlus.write_mdlus(weights, config, tmp_path / "x.mdlus")
     del weights["enc.32_conv.weight"]
-    with pytest.raises(DataError, match="missing"):
+    with pytest.raises(DataError, match=r"missing \['enc.32_conv.weight'\]"):
         mdlus.write_mdlus(weights, config, tmp_path / "x.mdlus")
     residual = config | {"task": {"name": "stormcast_regression", "residual": True}}
     with pytest.raises(DataError, match="residual=true"):

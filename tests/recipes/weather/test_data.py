@@ -338,7 +338,7 @@ def test_read_rows_equals_slice(store):
         assert part["index"] == i
         for key in ("state", "target", "background", "invariants"):
             torch.testing.assert_close(part[key], full[key][:, rows], rtol=0, atol=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="rows must be a contiguous slice"):
         ds.read(i, slice(0, H, 2))
 
 
