@@ -54,6 +54,7 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -734,8 +735,10 @@ def _write(root, **kwargs) -> tuple[Path, bool]:
 
 def _tmp_prefix(root: Path) -> str:
     """A partial copy's name up to its writer's pid: the host names it, since on a shared file
-    system only this host can tell whether one of its processes is still alive."""
-    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
+    system only this host can tell whether one of its processes is still alive. The host as a
+    digest of fixed length: no two hosts share a prefix, nor does one begin another's (node-1's
+    would begin node-12's, and node.1 and node-1 would read alike with their dots replaced)."""
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:16]
     return f".{root.name}.tmp-{host}-"
 
 

@@ -194,12 +194,27 @@ def test_a_killed_writers_partial_copy_is_removed_by_the_next_write(tmp_path):
     finally:
         proc.kill()
     (dead,) = tmp_path.glob(".store.tmp-*")
-    live = tmp_path / f"{synthetic._tmp_prefix(root)}{os.getpid()}-x"
-    other = tmp_path / ".store.tmp-otherhost-1-x"
+    prefix = synthetic._tmp_prefix(root)
+    live = tmp_path / f"{prefix}{os.getpid()}-x"
+    # another host's, whatever its pid means here: one named like this host plus "-12"
+    other = tmp_path / f"{prefix[:-1]}_12-{proc.pid}-x"
     for d in (live, other):
         d.mkdir()
     assert write_synthetic(root, **SMALL) == root
     assert not dead.exists() and live.is_dir() and other.is_dir()
+
+
+def test_no_hosts_partial_copy_prefix_begins_another_hosts(monkeypatch):
+    """node-1 must not take node-12's partial copies for its own (and read "12" as a pid)."""
+    import socket
+
+    prefix = {}
+    for host in ("node-1", "node-12", "node", "node.1"):
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        prefix[host] = synthetic._tmp_prefix(Path("store"))
+    assert len(set(prefix.values())) == len(prefix)
+    for a in prefix.values():
+        assert not any(b != a and b.startswith(a) for b in prefix.values()), prefix
 
 
 def test_cli(tmp_path, capsys):
