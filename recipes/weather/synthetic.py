@@ -737,8 +737,13 @@ def _tmp_prefix(root: Path) -> str:
     """A partial copy's name up to its writer's pid: the host names it, since on a shared file
     system only this host can tell whether one of its processes is still alive. The host as a
     digest of fixed length: no two hosts share a prefix, nor does one begin another's (node-1's
-    would begin node-12's, and node.1 and node-1 would read alike with their dots replaced)."""
-    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:16]
+    would begin node-12's, and node.1 and node-1 would read alike with their dots replaced). The
+    pid namespace is part of it: containers of one host name may number their processes apart."""
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux
+        pid_ns = 0
+    host = hashlib.sha256(f"{socket.gethostname()}:{pid_ns}".encode()).hexdigest()[:16]
     return f".{root.name}.tmp-{host}-"
 
 
