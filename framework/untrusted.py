@@ -73,6 +73,13 @@ def mapping(value: Any, what: str) -> dict:
     return value
 
 
+def shown(value: Any, width: int = 80) -> str:
+    """``repr(value)`` for a one-line message, cut to ``width`` characters (a value from another's
+    file may be as long as the file)."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def is_int(value: Any) -> bool:
     """A JSON integer (``True`` is an int to Python, not to a reader of JSON)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from framework.errors import DataError
-from framework.untrusted import is_int, is_number
+from framework.untrusted import is_int, is_number, shown
 
 MEMBERS = ("model.pt", "args.json", "metadata.json")
 MAX_JSON_BYTES = 1 << 20  # args.json, metadata.json
@@ -195,9 +195,7 @@ def _check_kinds(path, where: str, values: dict, kinds: dict[str, str]) -> None:
     """One DataError line naming the first argument of ``values`` that is not of its kind."""
     for arg, kind in kinds.items():
         if arg in values and not _KINDS[kind](values[arg]):
-            shown = repr(values[arg])
-            shown = shown if len(shown) <= 80 else shown[:77] + "..."
-            _fail(path, f"args.json {where}: {arg}={shown} must be {kind}")
+            _fail(path, f"args.json {where}: {arg}={shown(values[arg])} must be {kind}")
 
 
 # -- the archive ---------------------------------------------------------------------------------

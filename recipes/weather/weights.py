@@ -34,7 +34,7 @@ import torch
 from framework import registry
 from framework.checkpoint.backend import first_non_finite
 from framework.errors import ConfigError, DataError, first_line
-from framework.untrusted import is_int, is_number, mapping, read_json
+from framework.untrusted import is_int, is_number, mapping, read_json, shown
 from recipes.weather.layout import naming_of
 
 log = logging.getLogger("framework")
@@ -164,9 +164,7 @@ def _check_fields(cfg: dict, where) -> None:
                 raise DataError(f"{where}: its model config has no {field!r} (exported by an older version?)")
             continue
         if not ok(value):
-            shown = repr(value)
-            shown = shown if len(shown) <= 80 else shown[:77] + "..."
-            raise DataError(f"{where}: its model config's {field!r} must be {kind} (got {shown})")
+            raise DataError(f"{where}: its model config's {field!r} must be {kind} (got {shown(value)})")
 
 
 def describe(path, *, data=None) -> ModelInfo:
