@@ -190,11 +190,7 @@ def describe(path, *, data=None) -> ModelInfo:
         cfg = model_config(verified.meta.get("config"))
     else:
         raise DataError(f"{path}: no such file or directory")
-    if not cfg.get("task") or not cfg.get("channels"):
-        raise DataError(f"{path}: its config names no task or channels (exported by an older version?)")
-    if not isinstance(cfg["task"], dict) or not isinstance(cfg["task"].get("name"), str):
-        raise DataError(f"{path}: its config has no task name")
-    _check_fields(cfg, source)
+    _check_fields(cfg, source)  # task, its name and the channels among them
     return ModelInfo(
         path, cfg["name"], cfg["model"], cfg["task"], cfg["channels"], list(cfg["img_resolution"]), cfg, ckpt
     )
