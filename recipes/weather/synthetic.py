@@ -720,12 +720,13 @@ def _write(root, **kwargs) -> tuple[Path, bool]:
     if _check_existing(root, params):
         return root, False
     root.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_writers(root)
+    prefix = _tmp_prefix(root)
+    _remove_dead_writers(root.parent, prefix)
     # SIGTERM (a scheduler's cancel, torchrun stopping its workers) raises here, so that the
     # partial copy is removed; kill -9 leaves it (a hidden .tmp- sibling, never read), and the
     # next write beside it on this host removes it
     with sigterm_raises(f"writing the synthetic stores at {root} (the partial copy was removed)"):
-        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(root) + f"{os.getpid()}-", dir=root.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root.parent))
         try:
             _build(tmp, params)
             return root, _publish(tmp, root, params)
@@ -747,12 +748,12 @@ def _tmp_prefix(root: Path) -> str:
     return f".{root.name}.tmp-{host}-"
 
 
-def _remove_dead_writers(root: Path) -> None:
-    """Remove the partial copies that writers on this host left when they were killed (kill -9,
-    the OOM killer): those whose pid no longer runs. A live writer's copy is never touched."""
-    prefix = _tmp_prefix(root)
+def _remove_dead_writers(parent: Path, prefix: str) -> None:
+    """Remove the partial copies (``prefix``: this host's, ``_tmp_prefix``) that writers on this
+    host left in ``parent`` when they were killed (kill -9, the OOM killer): those whose pid no
+    longer runs. A live writer's copy is never touched."""
     try:
-        leftovers = [p for p in root.parent.iterdir() if p.name.startswith(prefix)]
+        leftovers = [p for p in parent.iterdir() if p.name.startswith(prefix)]
     except OSError:  # no parent yet: nothing left over
         return
     for tmp in leftovers:
