@@ -158,6 +158,23 @@ def _local_bytes(tensors) -> int:
     return total
 
 
+# the recipe whose compile settings each model's compiled runs take (the preset as it ships)
+PRESETS = {"songunet": "stormcast_fast", "diffusion": "stormcast_diffusion_fast", "dit": "stormscope"}
+
+
+def preset_compile(args, device_type: str) -> dict:
+    """The compile settings of ``args.model``'s preset (``PRESETS``), composed from its recipe:
+    the memory budget, CUDA graphs (null resolved as the runtime resolves it for this layout)
+    and the norm levels recomputed, as ``--variant`` keys (which override them)."""
+    from framework.config.compose import compose
+    from framework.train.compile import cudagraphs_wanted
+
+    cfg = compose([f"recipe={PRESETS[args.model]}"])
+    cudagraphs = cudagraphs_wanted(cfg.trainer.compile_cudagraphs, device_type, args.sharding, args.domain)
+    levels = "+".join(str(v) for v in cfg.model.get("recompute_norm_levels", []))
+    return {"memory_budget": cfg.trainer.compile_memory_budget, "cudagraphs": cudagraphs, "norm_levels": levels}
+
+
 def _variant(text: str) -> dict:
     """``key=value,...`` -> compile_model keyword arguments (ints/bools/None parsed); ``opt.NAME=v``
     is inductor option NAME (e.g. ``opt.triton.autotune_pointwise=0``), ``gn=explicit|fused|composite|aten`` the
@@ -413,15 +430,16 @@ def worker(args) -> None:
             from framework.train.compile import compile_model
             from recipes.stormcast.layers import set_compiled_form
 
-            variant = _variant(args.variant)
+            variant = preset_compile(args, device.type) | _variant(args.variant)
             if "gn" in variant:  # else the model's default (auto: fused with CUDA graphs)
                 set_compiled_form(model, variant.pop("gn"))
-            if "norm_levels" in variant:  # model.recompute_norm_levels, e.g. norm_levels=1+2
-                levels = [int(v) for v in str(variant.pop("norm_levels")).split("+") if v]
-                for m in model.modules():
-                    if hasattr(m, "set_norm_recompute"):
-                        m.set_norm_recompute(levels)
+            levels = variant.pop("norm_levels")  # model.recompute_norm_levels, e.g. norm_levels=1+2
+            levels = [int(v) for v in str(levels).split("+") if v]
+            for m in model.modules():
+                if hasattr(m, "set_norm_recompute"):
+                    m.set_norm_recompute(levels)
             compiled = compile_model(model, device_type=device.type, **variant)
+            compile_settings = {"memory_budget": float(variant["memory_budget"]), "norm_levels": levels}
         jobs = []
         if compiled is not None:  # as the runtime does (trainer.compile_workers)
             from framework.train import precompile
@@ -533,6 +551,7 @@ def worker(args) -> None:
             result["compile_stats"]["enabled"] = compiled.enabled
             result["channels_last"] = compiled.channels_last
             result["cudagraphs"] = bool(compiled.cudagraphs)
+            result["compile_settings"] = compile_settings
         if env.is_main:  # before the profile: a profile cut short keeps the measurement
             print("RESULT " + json.dumps(result), flush=True)
         if args.profile and env.is_main:  # the same figures again, with the profile's (the driver keeps the last)
@@ -739,6 +758,11 @@ def print_table(runs: list[dict], args) -> None:
                 f"{c.get('recompiles')} recompiles, {c.get('graph_breaks')} graph breaks, "
                 f"inductor built {c.get('built')} / loaded {c.get('loaded')} graphs, "
                 f"channels_last={r.get('channels_last')}, CUDA graph skips {c.get('cudagraph_skips', '-')}"
+            )
+            cs = r.get("compile_settings") or {}
+            print(
+                f"{'':>8} settings: CUDA graphs {'on' if r.get('cudagraphs') else 'off'}, memory budget "
+                f"{cs.get('memory_budget')}, norms recomputed at levels {cs.get('norm_levels')}"
             )
         if r.get("precompiled"):
             w = r["precompiled"]

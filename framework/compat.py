@@ -27,14 +27,23 @@
 - ``serialise_kernel_timing(lock)``: wraps inductor's ``CachingAutotuner.benchmark_all_configs``
   (private, present in 2.11 to 2.14) so that precompile workers sharing a GPU time their kernels'
   configurations one at a time; without it the workers leave the timing to the training process.
+- ``compiling()``: ``torch.compiler.is_compiling()`` answers True inside it, as it does inside
+  a compiled region, by setting the flag behind it (``torch.compiler._is_compiling_flag``, private,
+  present in 2.11 to 2.14, which torch's own compile session and export set the same way).
+  Precompilation's discovery runs the units' eager forwards under it, so that a layer whose
+  compiled form differs (the fused GroupNorm's 16-bit output) hands the next unit what the
+  compiled step will. Without the flag it changes nothing, and a unit fed otherwise than its
+  emulation is compiled by the first step, as before.
 
 Nothing here imports torch at module level: the CLI validates a config before torch loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +154,22 @@ def funcol() -> Any:
     import torch.distributed._functional_collectives as fc
 
     return fc
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is True inside (see the module doc)."""
+    import torch.compiler
+
+    if not isinstance(getattr(torch.compiler, "_is_compiling_flag", None), bool):
+        yield
+        return
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before
 
 
 # -- FakeTensorMode and a dispatch mode: framework/plan.py traces a step with them ----------------

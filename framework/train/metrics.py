@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,13 +56,29 @@ def count_flops(fn) -> tuple[Any, int]:
 
 
 class Stopwatch:
+    """Wall time between laps (synchronised with the GPU), and how much of it the loop spent
+    waiting for its input (``waiting``): the share a step stalls on the data loader, which
+    torchtitan reports as its data-loading time. Where the GPU is the bottleneck the loader's
+    workers stay ahead and the wait is near zero."""
+
     def __init__(self, device: torch.device):
         self.device = device
         self.t = time.perf_counter()
+        self._waited = 0.0
+        self.waited = 0.0  # seconds spent in ``waiting`` during the last lap
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._waited += time.perf_counter() - t0
 
     def lap(self, sync: bool = True) -> float:
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         dt, self.t = now - self.t, now
+        self.waited, self._waited = self._waited, 0.0
         return dt

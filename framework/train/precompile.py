@@ -98,7 +98,11 @@ def signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
 
 def discover(units: list[tuple[str, nn.Module]], forward: Callable[[Any], Any]) -> list[Job]:
     """The distinct (structure, inputs) pairs the units meet in ``forward(fake_mode)``, which runs
-    the training forward on fake tensors made in that mode."""
+    the training forward on fake tensors made in that mode. The units run their eager forwards
+    there, but seeing ``torch.compiler.is_compiling()`` as their compiled forwards will: what a
+    unit hands the next is then what it will hand it in the step (the regression preset's fused
+    output GroupNorm gives the output convolution 16-bit inputs only when compiled; recorded as
+    float32, they left that unit's two graphs to the first step)."""
     from framework import compat
 
     seen: dict[tuple, nn.Module] = {}
@@ -106,12 +110,27 @@ def discover(units: list[tuple[str, nn.Module]], forward: Callable[[Any], Any]) 
     def record(module, args, kwargs):
         seen.setdefault(signature(module, args, kwargs), module)
 
+    def as_compiled(run):
+        def call(*args, **kwargs):
+            with compat.compiling():
+                return run(*args, **kwargs)
+
+        return call
+
     handles = [unit.register_forward_pre_hook(record, with_kwargs=True) for _, unit in units]
+    own = [(unit, unit.__dict__.get("forward")) for _, unit in units]  # RegionForward, set by compile_model
+    for unit, _ in own:
+        unit.forward = as_compiled(unit.forward)
     try:
         forward(compat.fake_mode())
     finally:
         for h in handles:
             h.remove()
+        for unit, before in own:
+            if before is None:
+                del unit.forward
+            else:
+                unit.forward = before
     return [Job(cpu_copy(module), key[1], dict(key[2])) for key, module in seen.items()]  # copies: real tensors
 
 

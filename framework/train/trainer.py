@@ -29,6 +29,10 @@ from framework.train import metrics, preemption
 
 log = logging.getLogger("framework")
 
+# the share of a log window's time spent waiting for batches above which the log says the data
+# loader does not keep up
+DATA_WAIT_WARN = 0.1
+
 
 class NonFiniteLoss(FrameworkError):
     """A step's loss or gradient norm was NaN or inf: the run stops, the last good checkpoint stays."""
@@ -84,6 +88,7 @@ class Trainer:
         # ranks other pixels of the same ones (their losses are weighted to sum right).
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.step = 0
+        self._warned_data_wait = False
         self.run_id = uuid.uuid4().hex[:12]
         self.init_from: dict | None = None  # what checkpoint.init_from loaded (recorded in checkpoints)
         # one sample's training FLOPs, for tflops and MFU; None: counted on the first step
@@ -246,7 +251,8 @@ class Trainer:
         watch = metrics.Stopwatch(self.device)
         window_start, t_run = self.step, time.perf_counter()
         while self.step < self.cfg.max_steps:
-            batch = self._to_device(next(batches))
+            with watch.waiting():
+                batch = self._to_device(next(batches))
             batch["step"] = self.step  # tasks key their random draws by it (equal on every layout)
             if self.flops_per_sample is None:  # not traced at start-up (CPU): count this step
                 stated = self.task.flops_per_sample()
@@ -269,7 +275,11 @@ class Trainer:
             if self.step % self.cfg.log_every == 0 or last:
                 loss = collectives.all_reduce_mean(loss.detach().clone())
                 last_loss = float(loss)
-                self._log(self._train_row(last_loss, grad_norm, watch.lap(), self.step - window_start, t_run))
+                dt = watch.lap()
+                row = self._train_row(last_loss, grad_norm, dt, self.step - window_start, t_run)
+                row["data_wait"] = watch.waited / dt if dt > 0 else 0.0
+                self._log(row)
+                self._warn_data_wait(row["data_wait"], window_start)
                 window_start = self.step
                 if console is not None:
                     console.advance(self.step, last_loss, None)
@@ -402,6 +412,22 @@ class Trainer:
         stop.hand_over()  # submitit requeues here (rank 0) and exits
         raise preemption.Stopped(
             f"stopped at step {self.step} on {stop.reason()}: {saved}; run again with the same run dir to resume"
+        )
+
+    def _warn_data_wait(self, share: float, since: int) -> None:
+        """Once per run on a GPU, which idles meanwhile: the steps since ``since`` waited on their
+        data for over a tenth of their time (the first window, with its compile and the workers'
+        start, is not judged). On CPU the loader and the step share the cores: the row says it."""
+        if share <= DATA_WAIT_WARN or since == self._start or self._warned_data_wait or self.device.type == "cpu":
+            return
+        self._warned_data_wait = True
+        log.warning(
+            "steps %d-%d waited for their data %.0f%% of the time: the data loader does not keep up "
+            "(data.num_workers=%d: raise it; docs/data.md, Read speed)",
+            since + 1,
+            self.step,
+            100 * share,
+            self.run.data.num_workers,
         )
 
     def _train_row(self, loss: float, grad_norm, dt: float, steps: int, t_run: float) -> dict:

@@ -31,8 +31,9 @@ def test_default_main_job_learns_and_beats_persistence(tmp_path):
     assert train[-1]["step"] == 200
     assert train[-1]["loss"] < train[0]["loss"] / 5  # the loss falls clearly
     assert val[-1]["rmse"] < 0.8 * val[-1]["rmse_persistence"]  # and beats persistence
-    for key in ("step", "split", "loss", "lr", "grad_norm", "samples_per_s", "mem_gb"):
+    for key in ("step", "split", "loss", "lr", "grad_norm", "samples_per_s", "mem_gb", "data_wait"):
         assert key in train[0]
+    assert all(0.0 <= row["data_wait"] <= 1.0 for row in train)  # a share of each window's time
     assert "mem_reserved_gb" not in train[0]  # the GPU allocator's figure: no such thing on CPU
     assert (run / "checkpoints" / "step_00000200" / "meta.json").is_file()
     assert (run / ".hydra" / "config.yaml").is_file() and (run / "framework.log").is_file()

@@ -204,6 +204,55 @@ def test_precompiled_graphs_are_what_the_first_step_loads(tmp_path, caplog):
     torch._dynamo.reset()
 
 
+class _HandsOnHalf(torch.nn.Module):
+    """A unit whose compiled form hands the next unit 16-bit values, as the SongUNet's fused
+    GroupNorm does under CUDA graphs (its eager form: float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        y = x * self.scale
+        return y.to(torch.bfloat16) if torch.compiler.is_compiling() else y
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(x.float())
+
+
+@pytest.mark.timeout(300)
+def test_discovery_sees_what_the_compiled_units_hand_on(tmp_path):
+    """The units run eagerly on fake tensors in discovery, but as compiled code sees itself
+    (``torch.compiler.is_compiling()``), so the unit after one whose compiled form casts is
+    emulated with the inputs the step gives it: the first step then builds no graph (before:
+    the head's two graphs, built for float32 inputs by the worker, were built again by the
+    step for bfloat16 ones). Outside discovery the flag is as it was."""
+    _register_an_op_the_workers_lack()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_HandsOnHalf(), _Head())
+    compiled = compile_model(model, units=["_HandsOnHalf", "_Head"], device_type="cpu", cache_dir=tmp_path / "cache")
+    jobs = precompile.plan_jobs(1, compiled, model, _Task((16,), (16,)), 4, _Precision(), torch.device("cpu"))
+    assert not torch.compiler.is_compiling()
+    assert sorted((type(j.block).__name__, j.args[0][2]) for j in jobs) == [
+        ("_HandsOnHalf", torch.float32),
+        ("_Head", torch.bfloat16),
+    ], jobs
+    assert all("forward" not in vars(j.block) for j in jobs)  # the discovery's wrapper is gone from the copies
+    out = precompile.run_jobs(jobs, 1, compiled, _Precision(), False, torch.device("cpu"), DistEnv(), timeout_s=250)
+    assert out is not None and out["built"] == 2 and not out["failed"], out
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    _Task.loss(model, {"x": x, "y": y}).backward()
+    s = compiled.stats()
+    assert s["built"] == 0 and s["loaded"] == 4, s
+    torch._dynamo.reset()
+
+
 class _Layer(torch.nn.Module):
     """One linear layer after a GELU: one compiled unit, a forward and a backward graph."""
 
