@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -332,26 +333,32 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def _writable_dir(path: Path, key: str) -> None:
-    if path.exists() and not path.is_dir():
+    try:
+        is_dir = stat.S_ISDIR(path.stat().st_mode)  # one look: exists() then is_dir() could straddle a change
+    except (FileNotFoundError, NotADirectoryError):  # missing, or under a file: the anchor below says which
+        is_dir = None
+    except OSError as e:
+        raise RunDirError(f"{key}: {path} cannot be read: {e.strerror or e}") from None
+    if is_dir is False:
         raise RunDirError(f"{key}: {path} exists and is not a directory")
-    if not path.exists():
+    if is_dir is None:
         anchor = _existing_ancestor(path)
         if not anchor.is_dir():
             raise RunDirError(f"{key}: {path} cannot be created: {anchor} is not a directory")
         if not os.access(anchor, os.W_OK | os.X_OK):
             raise RunDirError(f"{key}: {path} cannot be created: {anchor} is not writable")
-        # Access bits do not tell a read-only mount, /sys (EPERM) or /proc (ENOENT): make the
-        # first missing folder and remove it again, so the run's own attempt cannot fail later.
-        probe = anchor / path.relative_to(anchor).parts[0]
+        # Access bits do not tell a read-only mount, /sys (EPERM) or /proc (ENOENT): make a folder
+        # in the anchor and remove it again. One of this check's own, never the missing folder
+        # itself: every rank runs this check at once, and another's folder made and removed
+        # meanwhile read as "exists and is not a directory" or "not writable" (a 4-rank start failed so).
+        probe = anchor / f".probe-{uuid.uuid4().hex[:16]}"
         try:
             probe.mkdir()
-        except FileExistsError:  # made meanwhile by someone else: it exists
-            return
         except OSError as e:
-            raise RunDirError(f"{key}: {path} cannot be created: {e.strerror or e} ({probe})") from None
+            raise RunDirError(f"{key}: {path} cannot be created: {e.strerror or e} ({anchor})") from None
         try:
             probe.rmdir()
-        except OSError:  # another rank or process is filling it already: it exists
+        except OSError:
             pass
         return
     if not os.access(path, os.W_OK | os.X_OK):

@@ -208,11 +208,12 @@ def test_preflight_reports_an_unwritable_dir(tmp_path, monkeypatch):
 
 def test_preflight_makes_sure_a_missing_dir_can_be_made(tmp_path, monkeypatch):
     """Access bits pass where the kernel still refuses (/sys: EPERM, /proc: ENOENT, a read-only
-    mount): the first missing folder is made and removed again."""
+    mount): a folder is made in the nearest existing one and removed again."""
     real = Path.mkdir
+    (tmp_path / "ro").mkdir()  # a read-only mount
 
     def refuse(self, *a, **k):
-        if self == tmp_path / "ro":
+        if self.parent == tmp_path / "ro":
             raise OSError(30, "Read-only file system")
         return real(self, *a, **k)
 
@@ -222,9 +223,36 @@ def test_preflight_makes_sure_a_missing_dir_can_be_made(tmp_path, monkeypatch):
     ):
         rundir.preflight(tmp_path / "ro" / "run")
     rundir.preflight(tmp_path / "rw" / "run")
-    assert not (tmp_path / "rw").exists()  # made and removed: the check leaves nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]  # made and removed: the check leaves nothing
     if Path("/proc/self").is_dir():  # the real thing where there is one
         assert "cannot be created: No such file or directory" in rundir.dir_problem("/proc/run", create=True)
+
+
+def test_ranks_checking_one_fresh_run_dir_at_once_all_pass(tmp_path):
+    """Every rank runs the preflight at start-up, at the same moment, on the same fresh run dir
+    (its plots/ and checkpoints/ not made yet). A check that made and removed the missing folder
+    itself let another rank see it come and go: "exists and is not a directory" or "is not
+    writable", exit 2 for a 4-rank job (seen in this suite). Here 8 threads check 200 times each."""
+    import threading
+
+    run = tmp_path / "run"
+    run.mkdir()
+    errors: list[str] = []
+
+    def check():
+        for _ in range(200):
+            try:
+                rundir.preflight(run)
+            except RunDirError as e:
+                errors.append(str(e))
+
+    threads = [threading.Thread(target=check) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert not any(run.iterdir())  # nothing left behind
 
 
 def test_readable_dir(tmp_path, monkeypatch):
