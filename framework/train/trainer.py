@@ -417,8 +417,10 @@ class Trainer:
     def _warn_data_wait(self, share: float, since: int) -> None:
         """Once per run on a GPU, which idles meanwhile: the steps since ``since`` waited on their
         data for over a tenth of their time (the first window, with its compile and the workers'
-        start, is not judged). On CPU the loader and the step share the cores: the row says it."""
-        if share <= DATA_WAIT_WARN or since == self._start or self._warned_data_wait or self.device.type == "cpu":
+        start, is not judged). On CPU the loader and the step share the cores: the row says it.
+        Rank 0's wait, as its row: another rank's slow loader shows there as a longer step."""
+        quiet = self._warned_data_wait or self.device.type == "cpu" or not self.env.is_main
+        if quiet or share <= DATA_WAIT_WARN or since == self._start:
             return
         self._warned_data_wait = True
         log.warning(

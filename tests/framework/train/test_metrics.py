@@ -27,12 +27,13 @@ def test_the_stopwatch_counts_the_wait_for_input_per_lap():
     assert watch.waited == 0.0
 
 
-def _trainer_state(step: int, start: int = 0, device: str = "cuda"):
+def _trainer_state(step: int, start: int = 0, device: str = "cuda", main: bool = True):
     return SimpleNamespace(
         step=step,
         _start=start,
         _warned_data_wait=False,
         device=torch.device(device),
+        env=SimpleNamespace(is_main=main),
         run=SimpleNamespace(data=SimpleNamespace(num_workers=4)),
     )
 
@@ -40,7 +41,8 @@ def _trainer_state(step: int, start: int = 0, device: str = "cuda"):
 def test_a_loader_that_does_not_keep_up_is_named_once(caplog):
     """Over a tenth of a window's time waiting for batches on a GPU: one warning that names the
     steps, the share and data.num_workers; not for the first window (compile, workers starting),
-    not twice, not on CPU (the default job's rows say 0.2 there: no workers, two cores)."""
+    not twice, not on CPU (the default job's rows say 0.2 there: no workers, two cores), and
+    from rank 0 only."""
     warn = Trainer._warn_data_wait
     state = _trainer_state(step=10)
     with caplog.at_level(logging.WARNING, logger="framework"):
@@ -59,4 +61,5 @@ def test_a_loader_that_does_not_keep_up_is_named_once(caplog):
     with caplog.at_level(logging.WARNING, logger="framework"):
         warn(resumed, 0.5, since=120)
         warn(_trainer_state(step=20, device="cpu"), 0.5, since=10)
+        warn(_trainer_state(step=20, main=False), 0.5, since=10)  # one voice: rank 0's, as its row
     assert len(caplog.records) == 1
