@@ -158,19 +158,30 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-# the recipe whose compile settings each model's compiled runs take (the preset as it ships)
-PRESETS = {"songunet": "stormcast_fast", "diffusion": "stormcast_diffusion_fast", "dit": "stormscope"}
+# the recipe whose compile settings each model's compiled runs take (the preset as it ships), by
+# model and whether the run is bf16 (the *_fast presets) or not
+PRESETS = {
+    ("songunet", True): "stormcast_fast",
+    ("songunet", False): "stormcast",
+    ("diffusion", True): "stormcast_diffusion_fast",
+    ("diffusion", False): "stormcast_diffusion",
+    ("dit", True): "stormscope",
+    ("dit", False): "stormscope",
+}
 
 
-def preset_compile(args, device_type: str) -> dict:
-    """The compile settings of ``args.model``'s preset (``PRESETS``), composed from its recipe:
-    the memory budget, CUDA graphs (null resolved as the runtime resolves it for this layout)
-    and the norm levels recomputed, as ``--variant`` keys (which override them)."""
+def preset_compile(args, device_type: str, degrees) -> dict:
+    """The compile settings of the preset of ``args.model`` at ``args.precision`` (``PRESETS``),
+    composed from its recipe: the memory budget, CUDA graphs (null resolved as the runtime
+    resolves it for the layout the run applies: ``plan.effective``, so one GPU is ``none``) and
+    the norm levels recomputed, as ``--variant`` keys (which override them)."""
     from framework.config.compose import compose
+    from framework.plan import effective
     from framework.train.compile import cudagraphs_wanted
 
-    cfg = compose([f"recipe={PRESETS[args.model]}"])
-    cudagraphs = cudagraphs_wanted(cfg.trainer.compile_cudagraphs, device_type, args.sharding, args.domain)
+    cfg = compose([f"recipe={PRESETS[args.model, args.precision == 'bf16']}"])
+    sharding = effective(args.sharding, degrees)
+    cudagraphs = cudagraphs_wanted(cfg.trainer.compile_cudagraphs, device_type, sharding, args.domain)
     levels = "+".join(str(v) for v in cfg.model.get("recompute_norm_levels", []))
     return {"memory_budget": cfg.trainer.compile_memory_budget, "cudagraphs": cudagraphs, "norm_levels": levels}
 
@@ -385,7 +396,8 @@ def worker(args) -> None:
     cuda = device.type == "cuda"
     with dist_env.process_group(env, device, 600):
         par = ParallelConfig(dp_shard=-1, domain=args.domain)
-        topo = mesh.build(mesh.resolve(par, env.world_size), device.type)
+        degrees = mesh.resolve(par, env.world_size)
+        topo = mesh.build(degrees, device.type)
         prec = precision_mod.build(PrecisionConfig(name=args.precision), device)
         prec.apply_backend_flags()
         torch.manual_seed(0)
@@ -430,7 +442,7 @@ def worker(args) -> None:
             from framework.train.compile import compile_model
             from recipes.stormcast.layers import set_compiled_form
 
-            variant = preset_compile(args, device.type) | _variant(args.variant)
+            variant = preset_compile(args, device.type, degrees) | _variant(args.variant)
             if "gn" in variant:  # else the model's default (auto: fused with CUDA graphs)
                 set_compiled_form(model, variant.pop("gn"))
             levels = variant.pop("norm_levels")  # model.recompute_norm_levels, e.g. norm_levels=1+2

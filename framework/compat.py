@@ -158,7 +158,8 @@ def funcol() -> Any:
 
 @contextlib.contextmanager
 def compiling() -> Iterator[None]:
-    """``torch.compiler.is_compiling()`` is True inside (see the module doc)."""
+    """``torch.compiler.is_compiling()`` is True inside (see the module doc). The flag is the
+    process's, not the thread's: for single-threaded start-up work only."""
     import torch.compiler
 
     if not isinstance(getattr(torch.compiler, "_is_compiling_flag", None), bool):

@@ -251,8 +251,9 @@ class Trainer:
         watch = metrics.Stopwatch(self.device)
         window_start, t_run = self.step, time.perf_counter()
         while self.step < self.cfg.max_steps:
-            with watch.waiting():
-                batch = self._to_device(next(batches))
+            with watch.waiting():  # the loader alone: a copy to the GPU may wait for the GPU's queue
+                batch = next(batches)
+            batch = self._to_device(batch)
             batch["step"] = self.step  # tasks key their random draws by it (equal on every layout)
             if self.flops_per_sample is None:  # not traced at start-up (CPU): count this step
                 stated = self.task.flops_per_sample()

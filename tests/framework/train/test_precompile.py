@@ -12,7 +12,7 @@ import torch
 from framework.distributed.env import DistEnv
 from framework.distributed.sharding import find_units
 from framework.train import precompile
-from framework.train.compile import compile_model
+from framework.train.compile import RegionForward, compile_model
 from recipes.stormcast.songunet import SongUNet
 
 
@@ -243,7 +243,8 @@ def test_discovery_sees_what_the_compiled_units_hand_on(tmp_path):
         ("_HandsOnHalf", torch.float32),
         ("_Head", torch.bfloat16),
     ], jobs
-    assert all("forward" not in vars(j.block) for j in jobs)  # the discovery's wrapper is gone from the copies
+    # the discovery's wrapper is gone: the units' forwards are compile_model's again
+    assert all(isinstance(vars(unit)["forward"], RegionForward) for _, unit in compiled.units_list)
     out = precompile.run_jobs(jobs, 1, compiled, _Precision(), False, torch.device("cpu"), DistEnv(), timeout_s=250)
     assert out is not None and out["built"] == 2 and not out["failed"], out
     x, y = torch.randn(4, 16), torch.randn(4, 16)
