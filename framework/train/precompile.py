@@ -107,25 +107,20 @@ def discover(units: list[tuple[str, nn.Module]], forward: Callable[[Any], Any]) 
 
     seen: dict[tuple, nn.Module] = {}
 
-    def record(module, args, kwargs):
-        seen.setdefault(signature(module, args, kwargs), module)
-
-    def as_compiled(run):
+    def recorded(unit, run):  # the unit's forward: its inputs recorded, run as compiled code sees itself
         def call(*args, **kwargs):
+            seen.setdefault(signature(unit, args, kwargs), unit)
             with compat.compiling():
                 return run(*args, **kwargs)
 
         return call
 
-    handles = [unit.register_forward_pre_hook(record, with_kwargs=True) for _, unit in units]
     own = [(unit, unit.__dict__.get("forward")) for _, unit in units]  # RegionForward, set by compile_model
     for unit, _ in own:
-        unit.forward = as_compiled(unit.forward)
+        unit.forward = recorded(unit, unit.forward)
     try:
         forward(compat.fake_mode())
     finally:
-        for h in handles:
-            h.remove()
         for unit, before in own:
             if before is None:
                 del unit.forward
