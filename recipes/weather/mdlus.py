@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from framework.checkpoint.backend import first_non_finite
 from framework.errors import DataError
 from framework.untrusted import is_int, is_number, shown
 
@@ -931,7 +932,7 @@ def read_mdlus(path, *, channels: dict | None = None) -> tuple[dict, dict[str, t
             continue
         if not value.is_floating_point():  # a complex or integer tensor would be cast to real floats, silently
             _fail(path, f"model.pt tensor {key!r} is {str(value.dtype).removeprefix('torch.')}, not floating point")
-        if not bool(torch.isfinite(value).all()):  # would only show as a non-finite loss (exit 4) later
+        if first_non_finite({key: value}):  # would only show as a non-finite loss (exit 4) later
             _fail(path, f"model.pt tensor {key!r} holds non-finite values (NaN or Inf)")
         const = _is_constant(config, key)
         if const is not None:
