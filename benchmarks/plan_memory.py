@@ -2,11 +2,14 @@
 
 For each case: ``python -m framework mode=plan <overrides>`` (traced on fake CPU tensors, with the
 GPU's autocast rules) and the same overrides trained for a few steps, whose ``metrics.jsonl``
-``mem_gb`` is ``torch.cuda.max_memory_allocated``. Runs eager (``trainer.compile=false``): the plan
-estimates the eager step, an upper bound for a compiled one. Synthetic data at the preset's grid:
+``mem_gb`` is ``torch.cuda.max_memory_allocated``. Runs eager (``trainer.compile=false``), or
+compiled with ``--compiled`` (``trainer.compile=true``, without CUDA graphs, whose private pools
+the plan does not model): the plan then traces the compiled step (docs/plan.md). Synthetic data
+at the preset's grid:
 
     python benchmarks/plan_memory.py                        # on a GPU machine: the default cases
     python benchmarks/plan_memory.py --cases stormcast_b4   # one of them
+    python benchmarks/plan_memory.py --compiled             # the compiled steps
     python benchmarks/plan_memory.py --grid 64 64 --steps 2 # a quick check (any device)
 
 Prints plan / measured per case (the target is within 15%) and writes ``--json``.
@@ -63,7 +66,7 @@ def run_case(name: str, args, work: Path) -> dict:
         f"data.root={work / 'data' / name.split('_')[0]}",
         "data.hours_per_year=8",
         "data.num_workers=2",
-        "trainer.compile=false",
+        *(["trainer.compile=true", "trainer.compile_cudagraphs=false"] if args.compiled else ["trainer.compile=false"]),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     run_dir = work / "runs" / name
@@ -105,11 +108,13 @@ def main(argv=None) -> None:
     p.add_argument("--grid", nargs=2, type=int, default=[512, 640])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--work", help="data and run dirs (default: a temporary directory)")
+    p.add_argument("--compiled", action="store_true", help="trainer.compile=true (no CUDA graphs)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="plan_memory_"))
     results = []
-    print(f"mode=plan against measured peak memory (eager, {args.grid[0]}x{args.grid[1]}, {args.steps} steps)")
+    how = "compiled" if args.compiled else "eager"
+    print(f"mode=plan against measured peak memory ({how}, {args.grid[0]}x{args.grid[1]}, {args.steps} steps)")
     print(f"{'case':<24} {'plan GiB':>9} {'measured':>9} {'plan/meas':>9}")
     for name in args.cases:
         r = run_case(name, args, work)

@@ -174,16 +174,50 @@ def compiling() -> Iterator[None]:
 
 
 # -- FakeTensorMode and a dispatch mode: framework/plan.py traces a step with them ----------------
-def fake_mode() -> Any:
+def fake_mode(through_compiled: bool = False) -> Any:
     """torch's FakeTensorMode: tensors made inside it have shapes, dtypes and devices but no memory,
     so a paper-size model runs a step on a laptop. Real tensors may mix in (sample indices, tables
-    a model builds with numpy). ``torch._subclasses`` has no public alias in 2.11 to 2.14."""
+    a model builds with numpy). ``torch._subclasses`` has no public alias in 2.11 to 2.14.
+    ``through_compiled``: the compiled blocks stay compiled under it (``step_tracer``'s)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode.through_compiled = through_compiled  # type: ignore[attr-defined]  # read by compile.dispatch_mode_active
+    return mode
 
 
-def step_tracer() -> Any:
+def partitioned_backend(joint_pass: Any = None) -> Any:
+    """A torch.compile backend that splits each graph into forward and backward as inductor does
+    (its decompositions, the min-cut partitioner with ``compiler="inductor"``, the memory budget
+    ``activation_memory_budget`` holds, and ``joint_pass`` on the joint graph, inductor's
+    ``joint_custom_pre_pass``), then runs both op by op: a compiled step's saved activations
+    without generating a kernel (torch's ``aot_eager_decomp_partition`` plus the pass; the plan's
+    estimate of a compiled run, framework/plan.py)."""
+    from importlib import import_module
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch import config as functorch_config
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint, inputs, **kwargs):
+        if joint_pass is not None:
+            joint_pass(joint.graph)
+        return min_cut_rematerialization_partition(joint, inputs, compiler="inductor", **kwargs)
+
+    def backend(gm, example_inputs, **kwargs):
+        with functorch_config.patch({"unlift_effect_tokens": True}):
+            return aot_autograd(
+                fw_compiler=boxed_nop,
+                bw_compiler=boxed_nop,
+                decompositions=lambda: import_module("torch._inductor.compile_fx").select_decomp_table(),
+                partition_fn=partition,
+            )(gm, example_inputs)
+
+    return backend
+
+
+def step_tracer(through_compiled: bool = False) -> Any:
     """A context manager that sees every aten op of a traced step (fake tensors included) and
     keeps two tallies: ``.live`` / ``.peak``, the bytes of the storages ops allocate while those
     stay alive (now / the most at once), and ``.flops``, by torch.utils.flop_counter's per-op
@@ -193,6 +227,11 @@ def step_tracer() -> Any:
     An op's output is a new allocation unless its storage is one of the op's inputs' (a view or
     an in-place op); it is freed when its storage is (a weakref finalizer: torch keeps one Python
     object per live storage, so the finalizer fires when the memory would be released).
+
+    ``through_compiled``: the compiled blocks stay compiled while the tracer is on (they run
+    eagerly under any other dispatch mode, as dynamo would), torch.compile compiles under it, and
+    it sees the ops the compiled graphs run, not those of their tracing
+    (``TorchDispatchMode.ignore_compile_internals``, torch 2.11-2.14).
     """
     import weakref
 
@@ -217,8 +256,13 @@ def step_tracer() -> Any:
             return None
 
     class StepTracer(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return through_compiled
+
         def __init__(self):
             super().__init__()
+            self.through_compiled = through_compiled  # read by compile.dispatch_mode_active
             self.live = self.peak = self.flops = 0
             self._seen: dict[int, Any] = {}
 

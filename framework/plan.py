@@ -23,6 +23,7 @@ whole network in bf16, no autocast) for sharded bf16 layouts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -102,6 +103,7 @@ class Plan:
     flops: float | None  # per sample, forward + backward
     flops_source: str
     note: str  # why activations are unknown
+    activations_of: str = "the eager step"
 
     def total(self, r: int) -> int:
         """Bytes rank ``r`` needs on its GPU at the peak of a step."""
@@ -164,6 +166,8 @@ class Plan:
         out.append(f"fits: {verdict}: the fullest rank needs {_b(self.need)}{room}")
         if self.activations is None:
             out.append(f"  (activations unknown: {self.note})")
+        else:
+            out.append(f"  (activations: {self.activations_of})")
         return out
 
 
@@ -267,15 +271,16 @@ class _Traced:
     flops_source: str
     halos: Counter
     note: str  # why activations are unknown
+    activations_of: str = "the eager step"  # or the compiled one's (framework.train.compile)
 
 
-def _trace(run, bands: list[int], micro: int, path: tuple[str, str]) -> _Traced:
+def _trace(run, bands: list[int], micro: int, path: tuple[str, str], compiled: bool = False) -> _Traced:
     from framework.distributed.env import DistEnv
     from framework.distributed.sharding import find_units
     from framework.domain.comm import DomainGroup
     from framework.domain.splitter import model_plan, split
 
-    fake, device = compat.fake_mode(), TRACE_DEVICE
+    fake, device = compat.fake_mode(through_compiled=compiled), TRACE_DEVICE
     dg = DomainGroup.dry_run(bands) if bands else None  # rank 0: the widest band
     task = registry.tasks.entry(run.task.name).builder(run, DistEnv(), device, domain=dg)
     with fake:
@@ -306,7 +311,7 @@ def _trace(run, bands: list[int], micro: int, path: tuple[str, str]) -> _Traced:
     if batch is not None:
         sample_bytes = sum(v.nbytes for v in batch.values() if torch.is_tensor(v)) / micro
         try:
-            activations, counted = _step(run, task, model, batch, fake, device, path)
+            activations, counted = _step(run, task, model, batch, fake, device, path, compiled)
         except ValueError:
             raise  # a band thinner than a layer's halo: this layout cannot run (build says so)
         except Exception as e:  # noqa: BLE001  (an op fake tensors cannot run: the exact parts still stand)
@@ -325,11 +330,18 @@ def _trace(run, bands: list[int], micro: int, path: tuple[str, str]) -> _Traced:
     ]
     buffers = sum(b.nbytes for b in model.buffers())
     halos = Counter((max(a for a, _ in plan), max(b for _, b in plan)) for plan, _ in getattr(dg, "halos", []))
-    return _Traced(params, buffers, units, activations, sample_bytes, flops, source, halos, note)
+    of = "the eager step"
+    if compiled:
+        of = "the compiled step (trainer.compile's units, split into forward and backward as inductor splits them)"
+    return _Traced(params, buffers, units, activations, sample_bytes, flops, source, halos, note, of)
 
 
-def _step(run, task, model, batch, fake, device, path: tuple[str, str]) -> tuple[int, int]:
-    """(peak bytes allocated and held, FLOPs) of one forward + backward, as the trainer runs it."""
+def _step(run, task, model, batch, fake, device, path: tuple[str, str], compiled: bool = False) -> tuple[int, int]:
+    """(peak bytes allocated and held, FLOPs) of one forward + backward, as the trainer runs it;
+    ``compiled``: with the units compiled as the runtime compiles them, each graph split into
+    forward and backward as inductor splits it (what it keeps for backward under the memory budget
+    and the model's recomputed ops), then run op by op. (Inductor's fusions also drop the
+    temporaries inside a graph, which this counts: an estimate from above.)"""
     import contextlib
 
     from framework import gpu_rules
@@ -344,13 +356,45 @@ def _step(run, task, model, batch, fake, device, path: tuple[str, str]) -> tuple
         model.register_forward_pre_hook(_bf16_inputs)
     if device_rules == "cuda":
         casts = gpu_rules.cuda_rules(precision.autocast_dtype if casts_by == "autocast" else None)
-    tracer = compat.step_tracer()
-    with fake, tracer, casts:
-        with precision.autocast(device):
-            loss = task.loss(model, batch)
-        (loss / run.trainer.grad_accum).backward()
-        del loss
+    tracer = compat.step_tracer(through_compiled=compiled)
+    with _compiled_units(run, model, device_rules) if compiled else contextlib.nullcontext():
+        with fake, tracer, casts:
+            with precision.autocast(device):
+                loss = task.loss(model, batch)
+            (loss / run.trainer.grad_accum).backward()
+            del loss
     return tracer.peak, tracer.flops
+
+
+@contextlib.contextmanager
+def _compiled_units(run, model, device_type: str):
+    """``model``'s units compiled for the traced step as ``trainer.compile`` compiles them (its
+    memory budget; no CUDA graphs: their pools are the allocator's business), with the
+    partitioning backend; dynamo's caches and the memory budget are left as they were."""
+    from framework.train import compile as compile_mod
+
+    budget = torch._functorch.config.activation_memory_budget
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # a failed trace is the plan's note, once
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    log.info("plan: tracing the compiled step on fake tensors (dynamo, AOTAutograd: about a second a block signature)")
+    torch._dynamo.reset()
+    try:
+        joint_pass = compile_mod.RecomputeOps(compile_mod.recomputed_ops(model))
+        compile_mod.compile_model(
+            model,
+            units=list(run.sharding.units),
+            device_type=device_type,
+            backend=compat.partitioned_backend(joint_pass),
+            channels_last=False,  # the same bytes in either layout
+            cudnn_benchmark=False,
+            memory_budget=run.trainer.compile_memory_budget,
+        )
+        yield
+    finally:
+        torch._dynamo.reset()
+        torch._functorch.config.activation_memory_budget = budget
+        quiet.setLevel(level)
 
 
 def _bf16_inputs(module, args):
@@ -397,20 +441,27 @@ def _optimizer_bytes(run, shapes: tuple[tuple[tuple[int, ...], torch.dtype, bool
 _TRACES: dict[tuple, _Traced] = {}  # by (config, bands, micro-batch): layouts and sweep jobs share them
 
 
-def _traced(run, bands: list[int], micro: int, path: tuple[str, str]) -> _Traced:
+def _traced(run, bands: list[int], micro: int, path: tuple[str, str], compiled: bool = False) -> _Traced:
     from omegaconf import OmegaConf
 
     cfg = cast(dict, OmegaConf.to_container(run.raw))
     data = {k: v for k, v in cfg["data"].items() if k not in ("batch_size", "num_workers", "pin_memory")}
     what = [cfg["task"], cfg["model"], data, cfg["precision"], run.deterministic, list(run.sharding.units)]
-    key = (repr(what), tuple(bands), micro, path)  # all a trace depends on
+    if compiled:
+        what += [run.trainer.compile_memory_budget]
+    key = (repr(what), tuple(bands), micro, path, compiled)  # all a trace depends on
     if key not in _TRACES:
         if len(_TRACES) >= 16:
             _TRACES.clear()
         try:
-            _TRACES[key] = _trace(run, bands, micro, path)
+            t = _trace(run, bands, micro, path, compiled)
         except ValueError as e:  # a band thinner than a layer's halo, said by the layer
             raise ConfigError(str(e).splitlines()[0]) from None
+        if compiled and t.activations is None and t.sample_bytes is not None:  # dynamo could not trace it
+            eager = _traced(run, bands, micro, path)
+            why = t.note.removeprefix("the step could not be traced on fake tensors ")
+            t = replace(eager, activations_of=f"the eager step, above a compiled one's (its trace failed: {why})")
+        _TRACES[key] = t
     return _TRACES[key]
 
 
@@ -457,8 +508,11 @@ def step_flops(run, degrees: Degrees) -> tuple[float | None, str]:
 
 def build(run, layout: Layout, m: Machine) -> Plan:
     """The plan of ``layout`` on ``m``; ConfigError (one line) where the layout cannot run."""
+    from framework.train.compile import compile_wanted
+
     per_rank, micro, bands = _step_shape(run, layout.degrees)
-    t = _traced(run, bands, micro, compute_path(run, layout, m.device))
+    compiled = compile_wanted(run.trainer.compile, m.device)
+    t = _traced(run, bands, micro, compute_path(run, layout, m.device), compiled)
 
     shards, world = layout.shards, m.world
     if shards > 1:
@@ -508,6 +562,7 @@ def build(run, layout: Layout, m: Machine) -> Plan:
         flops=t.flops,
         flops_source=t.flops_source,
         note=t.note,
+        activations_of=t.activations_of,
     )
 
 

@@ -112,10 +112,14 @@ def cudagraphs_wanted(
 
 
 def dispatch_mode_active() -> bool:
-    """A torch dispatch mode (FlopCounterMode, a debug mode) is on: dynamo would skip the frame for good."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    """A torch dispatch mode is on (FlopCounterMode, fake tensors, a debug mode): the compiled
+    blocks run their eager forwards, as dynamo would skip the frame for good (and fake tensors
+    in precompilation's discovery should meet the eager code). Only modes made to be traced
+    through compiled code (``compat.fake_mode`` and ``compat.step_tracer`` with
+    ``through_compiled``: the plan's trace of a compiled step) leave the blocks compiled."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return _get_current_dispatch_mode() is not None
+    return any(not getattr(m, "through_compiled", False) for m in _get_current_dispatch_mode_stack())
 
 
 def canonical(t, channels_last: bool):
