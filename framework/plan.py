@@ -373,7 +373,8 @@ def _compiled_units(run, model, device_type: str):
     partitioning backend; dynamo's caches and the memory budget are left as they were."""
     from framework.train import compile as compile_mod
 
-    budget = torch._functorch.config.activation_memory_budget
+    functorch = torch._functorch.config
+    budget, lazy = functorch.activation_memory_budget, functorch.force_non_lazy_backward_lowering
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # a failed trace is the plan's note, once
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
@@ -381,6 +382,9 @@ def _compiled_units(run, model, device_type: str):
     torch._dynamo.reset()
     try:
         joint_pass = compile_mod.RecomputeOps(compile_mod.recomputed_ops(model))
+        # the backward's graph made with the forward's, inside compilation, not lazily in the
+        # traced backward (where copying a graph's constant would run under the fake mode)
+        functorch.force_non_lazy_backward_lowering = True
         compile_mod.compile_model(
             model,
             units=list(run.sharding.units),
@@ -393,7 +397,8 @@ def _compiled_units(run, model, device_type: str):
         yield
     finally:
         torch._dynamo.reset()
-        torch._functorch.config.activation_memory_budget = budget
+        functorch.activation_memory_budget = budget
+        functorch.force_non_lazy_backward_lowering = lazy
         quiet.setLevel(level)
 
 

@@ -211,13 +211,16 @@ def test_a_compiled_runs_plan_counts_what_its_compiled_step_keeps():
     assert budget.activations < compiled.activations < eager.activations, (budget, compiled, eager)
     assert norms.activations < compiled.activations, (norms.activations, compiled.activations)
     assert compiled.flops == eager.flops
+    r = validate(compose(["model.dropout=0", "trainer.compile=true", "parallel=domain"]))  # halo exchanges
+    split = plan.build(r, plan.configured(r, 2), plan.Machine(2, 2, None, device="cuda"))
+    assert "compiled step" in split.activations_of and split.activations < compiled.activations, split.activations_of
     assert "(activations: the compiled step" in "\n".join(compiled.lines())
     assert torch._functorch.config.activation_memory_budget == 1.0  # the trace's budget is not left set
 
 
 def test_a_compiled_step_that_cannot_be_traced_plans_with_the_eager_figure(monkeypatch):
-    """Where dynamo cannot trace the step on fake tensors (today: the domain layouts' halo
-    exchanges), the plan counts the eager step's activations, an estimate from above, and says why."""
+    """Where dynamo cannot trace the step on fake tensors, the plan counts the eager step's
+    activations, an estimate from above, and says why."""
     real = plan._step
 
     def step(*args):
