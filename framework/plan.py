@@ -385,15 +385,20 @@ def _compiled_units(run, model, device_type: str):
         # the backward's graph made with the forward's, inside compilation, not lazily in the
         # traced backward (where copying a graph's constant would run under the fake mode)
         functorch.force_non_lazy_backward_lowering = True
-        compile_mod.compile_model(
-            model,
-            units=list(run.sharding.units),
-            device_type=device_type,
-            backend=compat.partitioned_backend(joint_pass),
-            channels_last=False,  # the same bytes in either layout
-            cudnn_benchmark=False,
-            memory_budget=run.trainer.compile_memory_budget,
-        )
+        own = log.level
+        log.setLevel(max(own, logging.WARNING))  # the run's own compile logs its units once, later
+        try:
+            compile_mod.compile_model(
+                model,
+                units=list(run.sharding.units),
+                device_type=device_type,
+                backend=compat.partitioned_backend(joint_pass),
+                channels_last=False,  # the same bytes in either layout
+                cudnn_benchmark=False,
+                memory_budget=run.trainer.compile_memory_budget,
+            )
+        finally:
+            log.setLevel(own)
         yield
     finally:
         torch._dynamo.reset()
