@@ -342,8 +342,6 @@ def _step(run, task, model, batch, fake, device, path: tuple[str, str], compiled
     forward and backward as inductor splits it (what it keeps for backward under the memory budget
     and the model's recomputed ops), then run op by op. (Inductor's fusions also drop the
     temporaries inside a graph, which this counts: an estimate from above.)"""
-    import contextlib
-
     from framework import gpu_rules
     from framework.distributed import precision as precision_mod
 
@@ -370,7 +368,8 @@ def _step(run, task, model, batch, fake, device, path: tuple[str, str], compiled
 def _compiled_units(run, model, device_type: str):
     """``model``'s units compiled for the traced step as ``trainer.compile`` compiles them (its
     memory budget; no CUDA graphs: their pools are the allocator's business), with the
-    partitioning backend; dynamo's caches and the memory budget are left as they were."""
+    partitioning backend. Dynamo's caches are cleared before and after (the plan runs before the
+    run's own compile); the memory budget is left as it was."""
     from framework.train import compile as compile_mod
 
     functorch = torch._functorch.config
@@ -467,10 +466,12 @@ def _traced(run, bands: list[int], micro: int, path: tuple[str, str], compiled: 
             t = _trace(run, bands, micro, path, compiled)
         except ValueError as e:  # a band thinner than a layer's halo, said by the layer
             raise ConfigError(str(e).splitlines()[0]) from None
-        if compiled and t.activations is None and t.sample_bytes is not None:  # dynamo could not trace it
+        if compiled:  # the model's FLOPs are the eager step's (a compiled backward may recompute some)
             eager = _traced(run, bands, micro, path)
-            why = t.note.removeprefix("the step could not be traced on fake tensors ")
-            t = replace(eager, activations_of=f"the eager step, above a compiled one's (its trace failed: {why})")
+            t = replace(t, flops=eager.flops, flops_source=eager.flops_source)
+            if t.activations is None and t.sample_bytes is not None:  # dynamo could not trace it
+                why = t.note.removeprefix("the step could not be traced on fake tensors ")
+                t = replace(eager, activations_of=f"the eager step, above a compiled one's (its trace failed: {why})")
         _TRACES[key] = t
     return _TRACES[key]
 
