@@ -123,9 +123,9 @@ def test_fsdp2_padding_rule():
 
 # -- activations: the trace against a real step's peak memory ---------------------------------
 RSS_STEP = r"""
-import gc, json, sys
+import contextlib, gc, json, sys
 import torch
-from framework import registry
+from framework import plan, registry
 from framework.cli import compose
 from framework.config.validate import validate
 from framework.distributed.env import DistEnv
@@ -135,31 +135,29 @@ def status(key):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
 
+def measure(task, model, batch):
+    for _ in range(2):  # warm: gradients exist (as in the plan), one-time kernel state is made
+        task.loss(model, batch).backward()
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak resident set (VmHWM) to the current one
+    except OSError:
+        return None
+    before = status("VmRSS")
+    task.loss(model, batch).backward()
+    return status("VmHWM") - before
+
 registry.load_providers()
 run = validate(compose(sys.argv[1:]))
 task = registry.tasks.entry(run.task.name).builder(run, DistEnv(), torch.device("cpu"))
 model = task.build_model()
-if run.trainer.compile:  # the units compiled as the plan compiles them (inductor's partition, no kernels)
-    from framework import compat
-    from framework.train import compile as c
-
-    backend = compat.partitioned_backend(c.RecomputeOps(c.recomputed_ops(model)))
-    c.compile_model(model, units=list(run.sharding.units), device_type="cpu", backend=backend,
-                    memory_budget=run.trainer.compile_memory_budget)
 batch = task.example_batch(run.data.batch_size, lambda shape, dtype=torch.float32: torch.randn(shape))
 batch["step"] = 0
-for _ in range(2):  # warm: gradients exist (as in the plan), one-time kernel state is made
-    task.loss(model, batch).backward()
-gc.collect()
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the peak resident set (VmHWM) to the current one
-except OSError:
-    print(json.dumps({"growth": None}))
-    sys.exit(0)
-before = status("VmRSS")
-task.loss(model, batch).backward()
-print(json.dumps({"growth": status("VmHWM") - before}))
+# compiled: the units compiled as the plan compiles them (inductor's partition, no kernels), real tensors
+with plan._compiled_units(run, model, "cpu") if run.trainer.compile else contextlib.nullcontext():
+    growth = measure(task, model, batch)
+print(json.dumps({"growth": growth}))
 """
 
 
