@@ -7,7 +7,8 @@ makes (CPU tensors of the chosen size, recorded instead of launched), specialise
 as Triton's JIT would on a GPU (16-aligned pointers, integers divisible by 16, integers equal to 1),
 compiles each kernel for the target with Triton's own ptxas, and prints per kernel: registers,
 spilled bytes, shared memory, how many loads became asynchronous copies (cp.async or TMA: pipelined), and the PTX
-instructions of its inner loop per score. At head dim 48 the softmax and masking arithmetic, not
+instructions of its inner loop per score (and, with Triton's nvdisasm, the machine instructions of its
+main loop a thread, and the integer divisions among them). At head dim 48 the softmax and masking arithmetic, not
 the products, sets these kernels' pace, so the last figure is the one to lower. With ``/full``
 tiles, a tile inside every window on an axis skips that axis' window test: the figure is then the
 average over the loop's paths (both tests, one, none; each counted through the loop's PTX control
@@ -124,6 +125,7 @@ def report(kernel, args, kw, arch: int) -> dict:
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spills = re.search(r"(\d+) bytes spill stores", out.stderr)
     ttgir = compiled.asm["ttgir"]
+    loop = main_loop_sass(compiled.asm["cubin"], bin_dir / "nvdisasm")
     tested = untested = one_axis = None
     if "QH" in kw:  # a tiled kernel (not the delta kernel)
         per_score = 32 * options["num_warps"] / (kw["QH"] * kw["QW"] * kw["KH"] * kw["KW"])  # scores per loop pass
@@ -136,7 +138,11 @@ def report(kernel, args, kw, arch: int) -> dict:
         "registers": int(regs.group(1)) if regs else None,
         "spill_bytes": int(spills.group(1)) if spills else None,
         # local-memory loads and stores in the main loop's machine code: spills it pays per tile
-        "loop_local_accesses": loop_local_accesses(compiled.asm["cubin"], bin_dir / "nvdisasm"),
+        "loop_local_accesses": None if loop is None else sum(bool(re.search(r"\b(LDL|STL)\b", i)) for i in loop),
+        "loop_sass": None if loop is None else len(loop),  # machine instructions a thread, once around
+        # integer divisions by a runtime value, which SASS does in software (a reciprocal's
+        # approximation, I2F.RP, then fix-ups: about 25 instructions each)
+        "loop_divisions": None if loop is None else sum("I2F" in i and ".RP" in i for i in loop),
         "shared_bytes": compiled.metadata.shared,
         "atomics": len(re.findall(r"\b(?:red|atom)\.global", compiled.asm["ptx"])),  # /atomic's dQ adds, by threads
         "bulk_reductions": compiled.asm["ptx"].count("cp.reduce.async.bulk"),  # ... by the copy engine (/tma)
@@ -170,9 +176,12 @@ def _loops(code: str, label: str, branch: str) -> list[list[str]]:
     ]
 
 
-def loop_local_accesses(cubin: bytes, nvdisasm: Path) -> int | None:
-    """LDL and STL instructions (spilled registers) in the kernel's main loop, the SASS loop with
-    the most products (None without nvdisasm). Spills outside it are paid once."""
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+[@A-Z]")  # an instruction's line in nvdisasm's listing
+
+
+def main_loop_sass(cubin: bytes, nvdisasm: Path) -> list[str] | None:
+    """The SASS instructions of the kernel's main loop, the loop with the most products (None
+    without nvdisasm; empty without a loop)."""
     if not nvdisasm.exists():
         return None
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_build_{os.getpid()}.cubin"
@@ -183,12 +192,12 @@ def loop_local_accesses(cubin: bytes, nvdisasm: Path) -> int | None:
         path.unlink(missing_ok=True)
     loops = _loops(sass, r"\s*\.(L_x_\d+):", r"\bBRA\b.*?\.(L_x_\d+)")
     if not loops:
-        return 0
+        return []
     # Hopper's barrier-wait stubs branch back into the middle of the loop: of the spans with the
     # most products (tensor-core ones, else FMAs), the shortest is the loop itself
     products = re.compile(r"\b(HGMMA|HMMA)\b" if "MMA" in sass else r"\bFFMA\b")
     body = max(loops, key=lambda span: (sum(bool(products.search(line)) for line in span), -len(span)))
-    return sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in body)
+    return [line for line in body if _SASS_INSTRUCTION.match(line)]
 
 
 _INSTRUCTION = re.compile(r"\s+(@!?%p\d+\s+)?[a-z]")  # a PTX instruction's line (not a label, .loc or comment)
@@ -387,6 +396,8 @@ def main(argv=None) -> None:
                 + (f"{r['atomics']} atomic adds (dQ), " if r["atomics"] else "")
                 + (f"{r['bulk_reductions']} bulk reductions (dQ), " if r["bulk_reductions"] else "")
                 + f"{mean:.1f} instructions/score{paths}"
+                + (f", loop {r['loop_sass']} SASS a thread" if r["loop_sass"] else "")
+                + (f" ({r['loop_divisions']} software divisions)" if r["loop_divisions"] else "")
             )
 
 

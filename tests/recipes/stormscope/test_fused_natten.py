@@ -712,6 +712,26 @@ def test_the_kernels_with_64_bit_offsets_build_for_hopper(tiles, monkeypatch):
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
 @pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
+@pytest.mark.parametrize("tiles", [None, "8x8/8x8/4/2/pad/tma/full/atomic"])
+def test_the_loops_carry_their_tiles_corner_and_divide_nothing(tiles):
+    # A loop that worked out its tile's row and column from the tile's number divided by the tiles
+    # a row, a runtime value: in SASS a division in software, about 25 instructions a tile (the
+    # layer 7.5% slower on an H100, docs/benchmarks.md run 35). Built for sm90, no main loop
+    # divides, with the defaults and with every option that changes the loops.
+    from benchmarks import kernel_build
+
+    calls = kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16, tiles and fused_natten.Tiles.parse(tiles))
+    for kernel, _, args, kw in calls:
+        if kernel.__name__ == kernel_build.DELTA:
+            continue
+        r = kernel_build.report(kernel, args, kw, 90)
+        if r["loop_sass"] is None:
+            pytest.skip("this Triton ships no nvdisasm")
+        assert r["loop_sass"] > 100 and r["loop_divisions"] == 0, r
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
+@pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
 def test_a_register_cap_reaches_the_build():
     # /r168: the dK/dV kernel's 226 registers a thread fit 2 programs of 4 warps on an SM, 168 fit
     # 3; what spills is reported, and where (the benchmark measures whether occupancy wins)
