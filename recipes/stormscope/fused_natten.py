@@ -355,9 +355,10 @@ if triton is not None:
 
     @triton.jit
     def _tile_count(lo_r, hi_r, lo_c, hi_c, TH: tl.constexpr, TW: tl.constexpr):
-        """(tiles, tiles per row) of ``TH x TW`` tiles covering ``[lo_r, hi_r) x [lo_c, hi_c)``."""
+        """(tiles, the column where each row of tiles ends) of ``TH x TW`` tiles covering
+        ``[lo_r, hi_r) x [lo_c, hi_c)`` from its corner."""
         tiles_c = tl.cdiv(hi_c - lo_c, TW)
-        return tl.cdiv(hi_r - lo_r, TH) * tiles_c, tiles_c
+        return tl.cdiv(hi_r - lo_r, TH) * tiles_c, lo_c + tiles_c * TW
 
     @triton.jit
     def _next_tile(r, c, lo_c, end_c, KH: tl.constexpr, KW: tl.constexpr):
@@ -439,8 +440,8 @@ if triton is not None:
         l_i = tl.zeros([QH * QW], tl.float32)
         acc0, acc1 = _accumulators(QH * QW, D0, D1)
         n_r, n_c, k_inner, v_inner = _key_places(sk_r, sk_c, sv_r, sv_c, KH, KW, WIDE)
-        key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
-        r, c, end_c = o_r, o_c, o_c + tiles_c * KW
+        key_tiles, end_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
+        r, c = o_r, o_c
         for _ in range(0, key_tiles):
             k0, k1, v0, v1 = _keys_and_values(
                 r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1, n_r, n_c, k_inner, v_inner,
@@ -518,8 +519,8 @@ if triton is not None:
         dq0, dq1 = _accumulators(QH * QW, D0, D1)
         o_r, o_c = _key_origin(lo_r, hi_r, lo_c, hi_c, kv_off, span_r, span_c, KH, KW, FULL)
         n_r, n_c, k_inner, v_inner = _key_places(sk_r, sk_c, sv_r, sv_c, KH, KW, WIDE)
-        key_tiles, tiles_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
-        r, c, end_c = o_r, o_c, o_c + tiles_c * KW
+        key_tiles, end_c = _tile_count(o_r, hi_r, o_c, hi_c, KH, KW)
+        r, c = o_r, o_c
         for _ in range(0, key_tiles):
             k0, k1, v0, v1 = _keys_and_values(
                 r, c, hi_r, hi_c, kv_off, b, h, k_src, k_src1, v_src, v_src1, n_r, n_c, k_inner, v_inner,
@@ -599,10 +600,10 @@ if triton is not None:
         if FULL:
             lo_r = _aligned_origin(lo_r, a_r, hi_r, 0, QH)
             lo_c = _aligned_origin(lo_c, a_c, hi_c, 0, QW)
-        query_tiles, tiles_c = _tile_count(lo_r, hi_r, lo_c, hi_c, QH, QW)
+        query_tiles, end_c = _tile_count(lo_r, hi_r, lo_c, hi_c, QH, QW)
         if ATOMIC and not DQ_TMA:  # the threads' adds: this sample's and head's dQ pointer
             dq_src = dq_src + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h
-        r, c, end_c = lo_r, lo_c, lo_c + tiles_c * QW
+        r, c = lo_r, lo_c
         for _ in range(0, query_tiles):
             q_in = (m_r < hi_r - r) & (m_c < hi_c - c)
             # (with TMA, tokens of the query band past the range load: their windows miss the tile)
