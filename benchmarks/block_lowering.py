@@ -5,8 +5,9 @@ script compiles one ``DiTBlock`` as the trainer would (dynamo, AOTAutograd with 
 decompositions and its min-cut partitioner), traced with fake tensors at the chosen size, and
 has inductor lower and generate the forward's and the backward's code for an H200
 (``hopper_lowering.py``): no GPU is needed and nothing runs. It prints each Triton kernel with
-inductor's estimate of the bytes it reads and writes, and the calls outside them (cuBLAS's
-matrix products, the attention's custom ops). At the fused attention's size the pointwise and
+inductor's estimate of the bytes it reads and writes, the elementwise custom ops (the MLP's
+``stormscope::bias_gelu``) with theirs, and the calls outside them (cuBLAS's matrix products,
+the attention's custom ops). At the fused attention's size the pointwise and
 norm kernels are bandwidth-bound, so their traffic over the GPU's bandwidth (4.8 TB/s) is a
 floor on their time; the matrix products and the attention are not in these figures.
 
@@ -55,10 +56,37 @@ def _graphs(batch: int, grid: tuple[int, int], hidden: int, heads: int, kernel: 
             return hopper_lowering.trace_graphs(block, x, c)
 
 
+# Custom ops whose kernels are elementwise, so bandwidth-bound like inductor's: their traffic
+# (inputs read, outputs written) joins the kernels' (the attention's and the products' do not).
+ELEMENTWISE_OPS = ("stormscope::bias_gelu", "stormscope::bias_gelu_backward")
+
+
+def _nbytes(value) -> int:
+    values = value if isinstance(value, (tuple, list)) else [value]
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def elementwise_op_traffic(graph: torch.fx.GraphModule) -> list[list]:
+    """[[op, GB], ...] of the graph's calls to ``ELEMENTWISE_OPS``: its tensor arguments' bytes and
+    its outputs' (from the traced graph's fake tensors)."""
+    out = []
+    for node in graph.graph.nodes:
+        name = getattr(getattr(node.target, "_schema", None), "name", None)
+        if node.op == "call_function" and name in ELEMENTWISE_OPS:
+            args = [a.meta.get("val") for a in node.all_input_nodes]
+            out.append([name, (_nbytes(args) + _nbytes(node.meta.get("val"))) / 1e9])
+    return out
+
+
 def lower_block(batch=4, grid=(128, 160), hidden=768, heads=16, kernel=31, rope=False) -> dict:
-    """{"forward"/"backward": {"kernels": [[name, GB], ...], "calls": [...], "error": ...}}."""
+    """{"forward"/"backward": {"kernels": [[name, GB], ...], "calls": [...], "error": ...}}; the
+    kernels are inductor's and those of ``ELEMENTWISE_OPS``."""
     graphs = _graphs(batch, grid, hidden, heads, kernel, rope)
-    return {name: hopper_lowering.lower_kernels(*g) for name, g in zip(("forward", "backward"), graphs)}
+    out = {}
+    for name, g in zip(("forward", "backward"), graphs):
+        out[name] = hopper_lowering.lower_kernels(*g)
+        out[name]["kernels"] += elementwise_op_traffic(g[0])
+    return out
 
 
 def main(argv=None) -> None:

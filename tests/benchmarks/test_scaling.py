@@ -30,13 +30,15 @@ def test_model_flops_on_the_meta_device_equal_a_real_steps_per_sample(kind):
 
 def test_the_profile_sorts_kernels_by_kind():
     """The DiT's fused attention kernels count as attention (run 22's table had them as "other"),
-    inductor's fused pointwise kernels as inductor's, cuBLAS's as matrix products."""
+    inductor's fused pointwise kernels as inductor's, cuBLAS's as matrix products, the MLP's bias and
+    GELU kernels apart from inductor's."""
     kinds = {
         "_fna_backward_dkdv": "attention",
         "_fna_delta": "attention",
         "triton_poi_fused_gelu_gelu_backward_view_6": "triton (inductor)",
         "nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_bias_TNN": "matmul",
         "gn_fused_apply": "group norm (fused Triton)",
+        "_bias_gelu_bwd": "MLP bias + GELU (fused Triton)",
         "something_new": "other",
     }
     assert {name: scaling.kernel_kind(name) for name in kinds} == kinds

@@ -371,11 +371,11 @@ def test_flex_block_compiles_with_only_the_mask_builder_breaking_the_graph():
 def test_a_compiled_block_for_an_h200_reads_q_k_v_in_place_and_keeps_attention_one_op(rope):
     """The block compiled as the trainer compiles it (bf16 autocast, AOTAutograd, inductor), with
     inductor's code generated for an H200 on this machine (benchmarks/block_lowering.py): the
-    fused attention is one custom op each way, and no forward kernel copies q, k or v out of the
-    projection's output (inductor names a copy's kernel after its ``clone``). Without rope the ops
-    take the projection whole, so no backward kernel stacks dQ, dK and dV into its gradient
-    (``select_backward``: 0.76 of the preset block's 6.0 GB of backward traffic); with rope, q and
-    k are rotated copies, and the views' op runs."""
+    fused attention is one custom op each way, and so are the MLP's bias and GELU, and no forward
+    kernel copies q, k or v out of the projection's output (inductor names a copy's kernel after
+    its ``clone``). Without rope the ops take the projection whole, so no backward kernel stacks
+    dQ, dK and dV into its gradient (``select_backward``: 0.76 of the preset block's 6.0 GB of
+    backward traffic); with rope, q and k are rotated copies, and the views' op runs."""
     from tests.conftest import benchmark_json
 
     args = ("--batch", 1, "--grid", 12, 16, "--hidden", 64, "--heads", 4, "--kernel", 5, *(["--rope"] if rope else []))
@@ -388,3 +388,8 @@ def test_a_compiled_block_for_an_h200_reads_q_k_v_in_place_and_keeps_attention_o
     if not rope:
         assert forward["kernels"] and not [k for k, _ in forward["kernels"] if "clone" in k], forward["kernels"]
         assert not [k for k, _ in backward["kernels"] if "select_backward" in k], backward["kernels"]
+    # the MLP's bias and GELU are one op each way (recipes/stormscope/gelu.py): no inductor kernel
+    # computes a GELU, so none sums fc1's bias gradient from the GELU backward's output again
+    assert forward["calls"].count("torch.ops.stormscope.bias_gelu") == 1, forward["calls"]
+    assert backward["calls"].count("torch.ops.stormscope.bias_gelu_backward") == 1, backward["calls"]
+    assert not [k for k, _ in forward["kernels"] + backward["kernels"] if "gelu" in k and k.startswith("triton")]
