@@ -756,7 +756,7 @@ def _atomic_dq(tiles: Tiles) -> bool:
     return tiles.atomic and not torch.are_deterministic_algorithms_enabled()
 
 
-def _device_of(t: Tensor):
+def device_of(t: Tensor):
     """Triton launches on the current CUDA device: make it ``t``'s."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -787,7 +787,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kernel: int, q_row_offset: int, kv
     _, qk_scale = _scales(q.shape[-1])
     tma = _use_tma(tiles, k, v)
     sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
-    with _device_of(q):
+    with device_of(q):
         _fna_forward[grid](
             q, *sources, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(lse),
             g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale,
@@ -824,7 +824,7 @@ def _row_sums(grad: Tensor, out: Tensor, lse: Tensor, stats: Tensor, wide: bool)
     than the forward made); ``wide``: 64-bit offsets (the backward's choice, which covers all)."""
     b, heads, hq, w, d = grad.shape
     grid = (triton.cdiv(hq * w, _DELTA_TOKENS), heads, b)
-    with _device_of(grad):
+    with device_of(grad):
         _fna_delta[grid](
             grad, out, lse, stats, *_strides(grad), *_strides(out), *_strides(lse), *_record_strides(stats), hq, w,
             D=d, DP=max(16, triton.next_power_of_2(d)), T=_DELTA_TOKENS, WIDE=wide,
@@ -870,7 +870,7 @@ def _backward_into(
         grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
         tma = _use_tma(tiles, k, v)
         sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
-        with _device_of(q):
+        with device_of(q):
             _fna_backward_dq[grid](
                 q, *sources, grad, stats, dq, *common, *_strides(dq), *scalars, WIDE=wide, TMA=tma,
                 **_constants(q, tiles),
@@ -882,7 +882,7 @@ def _backward_into(
     # dQ's shares through the copy engine's bulk reductions where the loads go through it too (the
     # interpreter has no descriptor reductions: its threads add)
     dq_tma = atomic and tma and not _interpreted() and _tma_aligned(dq)
-    with _device_of(q):
+    with device_of(q):
         _fna_backward_dkdv[grid](
             *q_sources, k, v, *grad_sources, stats, dk, dv, *_sources(dq, tiles.qh, tiles.qw, tiles, dq_tma),
             *common, *_strides(dk), *_strides(dq), scalars[0], g.hk, *scalars[1:],

@@ -26,12 +26,13 @@ with ``TRITON_INTERPRET=1`` the kernels run on CPU tensors too (the CPU tests ch
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
 import torch
 from torch import Tensor
+
+from recipes.stormscope.fused_natten import device_of
 
 try:
     import triton
@@ -42,7 +43,8 @@ except ImportError:  # CPU-only installs: the torch formulas below
 _K = math.sqrt(2.0 / math.pi)
 _KAPPA = 0.044715
 if triton is not None:  # (the kernels read globals only as constexprs)
-    # exp(-2z) as exp2(x (C1 + C2 x^2)): -2 sqrt(2/pi) log2(e), times 0.044715; the derivative's
+    # exp(-2z) as exp2(x (C1 + C2 x^2)): C1 = -2 sqrt(2/pi) log2(e), C2 = 0.044715 C1; the
+    # derivative's factors 2 sqrt(2/pi) and 3 * 0.044715
     _C1 = tl.constexpr(-2.0 * _K / math.log(2.0))
     _C2 = tl.constexpr(-2.0 * _K / math.log(2.0) * _KAPPA)
     _D1 = tl.constexpr(2.0 * _K)
@@ -109,11 +111,6 @@ if triton is not None:
         tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=in_cols)
 
 
-def _device_of(t: Tensor):
-    """Triton launches on the current CUDA device: make it ``t``'s."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _sigmoid_2z_torch(x: Tensor) -> Tensor:
     return torch.sigmoid(2.0 * _K * (x + _KAPPA * x * x * x))
 
@@ -133,7 +130,7 @@ def bias_gelu(h: Tensor, b: Tensor) -> Tensor:
     m, n = h2.shape
     a = torch.empty_like(h2)
     grid = (triton.cdiv(m, _FWD_ROWS), triton.cdiv(n, _FWD_COLS))
-    with _device_of(h):
+    with device_of(h):
         _bias_gelu_fwd[grid](h2, b.contiguous(), a, m, n, BM=_FWD_ROWS, BN=_FWD_COLS, num_warps=_FWD_WARPS)
     return a.view(h.shape)
 
@@ -157,7 +154,7 @@ def bias_gelu_backward(grad: Tensor, h: Tensor, b: Tensor) -> tuple[Tensor, Tens
     gh = torch.empty_like(h2)
     sums = torch.empty(triton.cdiv(m, _BWD_ROWS), n, device=h.device, dtype=torch.float32)
     grid = (triton.cdiv(m, _BWD_ROWS), triton.cdiv(n, _BWD_COLS))
-    with _device_of(h):
+    with device_of(h):
         _bias_gelu_bwd[grid](
             grad.reshape(h2.shape).contiguous(), h2, b.contiguous(), gh, sums, m, n,
             BM=_BWD_ROWS, RB=_BWD_STEP, BN=_BWD_COLS, num_warps=_BWD_WARPS,
