@@ -50,15 +50,24 @@ class DiTConfig:
     # flex's sparse block in tokens: 64 (8 x 8 tiles) or 128 (8 x 16); null: 64 for 16-bit heads
     # under 64 on Hopper GPUs, where it is the faster, else 128
     attn_block: int | None = None
+    # the MLP's bias + GELU: fused (one Triton op each way, recipes/stormscope/gelu.py; its torch
+    # formulas on CPU) | torch (F.gelu after fc1 with its bias: inductor's kernels when compiled)
+    mlp_impl: str = "fused"
 
     # how the model computes, not what its weights mean: a resumed run may change them
-    RESUME_RULES = (("checkpoint_blocks", MAY, None), ("attn_impl", MAY, None), ("attn_block", MAY, None))
+    RESUME_RULES = (
+        ("checkpoint_blocks", MAY, None),
+        ("attn_impl", MAY, None),
+        ("attn_block", MAY, None),
+        ("mlp_impl", MAY, None),
+    )
 
     def __post_init__(self):
         positive(self, "patch_size", "hidden_size", "depth", "num_heads", "attn_kernel")
         non_negative(self, "num_scalar_conditions")
         one_of(self, "pos_embed", ("learned", "rope", "none"))
         one_of(self, "attn_impl", ("auto", "flex", "fused", "reference"))
+        one_of(self, "mlp_impl", ("fused", "torch"))
         if self.attn_block not in BLOCKS:
             raise Invalid("attn_block", f"must be null (auto), 64 or 128 tokens (got {self.attn_block!r})")
         if self.attn_kernel % 2 == 0:

@@ -28,6 +28,7 @@ from recipes.stormscope.gelu import bias_gelu
 from recipes.stormscope.natten import IMPLS, check_kernel, neighbourhood_attention, shared_masks
 
 POS_EMBEDS = ("learned", "rope", "none")
+MLP_IMPLS = ("fused", "torch")
 
 
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -238,16 +239,23 @@ class NeighbourhoodAttention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """fc1, GELU(tanh), fc2. fc1's bias is added in the GELU's kernel, whose backward also sums
-    the bias gradient (``gelu.bias_gelu``): the same function, one pass less over the hidden layer."""
+    """fc1, GELU(tanh), fc2. ``impl="fused"``: fc1's bias is added in the GELU's kernel, whose
+    backward also sums the bias gradient (``gelu.bias_gelu``: the same function, one pass less over
+    the hidden layer); ``"torch"``: ``F.gelu`` after fc1 with its bias (inductor's kernels when
+    compiled). The same parameters either way."""
 
-    def __init__(self, hidden_size: int, mlp_ratio: float):
+    def __init__(self, hidden_size: int, mlp_ratio: float, impl: str = "fused"):
         super().__init__()
+        if impl not in MLP_IMPLS:
+            raise ValueError(f"mlp_impl must be one of {MLP_IMPLS}, got mlp_impl={impl!r}")
         inner = int(hidden_size * mlp_ratio)
         self.fc1 = nn.Linear(hidden_size, inner)
         self.fc2 = nn.Linear(inner, hidden_size)
+        self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "torch":
+            return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
         return self.fc2(bias_gelu(F.linear(x, self.fc1.weight), self.fc1.bias))
 
 
@@ -264,6 +272,7 @@ class DiTBlock(nn.Module):
         impl: str,
         mask_token: bool = False,
         block: int | None = None,
+        mlp_impl: str = "fused",
     ):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
@@ -271,7 +280,7 @@ class DiTBlock(nn.Module):
             hidden_size, num_heads, kernel, rope=rope, impl=impl, mask_token=mask_token, block=block
         )
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.mlp = Mlp(hidden_size, mlp_ratio)
+        self.mlp = Mlp(hidden_size, mlp_ratio, mlp_impl)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
         nn.init.zeros_(self.adaLN_modulation[1].weight)
         nn.init.zeros_(self.adaLN_modulation[1].bias)
@@ -343,6 +352,7 @@ class DiT(nn.Module):
         checkpoint_blocks: bool = False,
         attn_impl: str = "auto",
         attn_block: int | None = None,
+        mlp_impl: str = "fused",
     ):
         super().__init__()
         h, w = img_resolution
@@ -383,6 +393,7 @@ class DiT(nn.Module):
                 attn_impl,
                 mask_token=self.mask_token,
                 block=attn_block,
+                mlp_impl=mlp_impl,
             )
             for _ in range(depth)
         )

@@ -36,6 +36,7 @@ def build_dit(cfg: DiTConfig, *, in_channels: int, out_channels: int, img_resolu
         checkpoint_blocks=cfg.checkpoint_blocks,
         attn_impl=cfg.attn_impl,
         attn_block=cfg.attn_block,
+        mlp_impl=cfg.mlp_impl,
     )
 
 

@@ -192,6 +192,7 @@ def test_parameterisation_matches_the_reference_dit():
         (dict(pos_embed="sincos"), "pos_embed"),
         (dict(attn_impl="natten"), "attn_impl"),
         (dict(attn_block=32), "attention block"),
+        (dict(mlp_impl="cuda"), "mlp_impl"),
         (dict(num_heads=5), "num_heads"),
         (dict(hidden_size=24, num_heads=4, pos_embed="rope"), "rope"),
     ],
@@ -216,6 +217,34 @@ def test_attn_block_reaches_every_attention_and_is_checked_in_the_config():
     assert blocks == [64, 64]
     with pytest.raises(Invalid, match=r"attn_block.*null \(auto\), 64 or 128 tokens \(got 32\)"):
         DiTConfig(attn_block=32)
+
+
+def test_mlp_impl_reaches_every_block_computes_the_same_and_is_checked_in_the_config():
+    """model.mlp_impl: the bias + GELU op (fused, the default) or F.gelu after fc1 (torch), on
+    every block; the same parameters, and outputs and gradients equal to float64 round-off."""
+    import recipes.stormscope.registry  # noqa: F401  (registers the dit builder)
+    from framework import registry
+    from framework.config.schema import Invalid
+    from recipes.stormscope.config import DiTConfig
+    from recipes.stormscope.dit import Mlp
+
+    assert DiTConfig().mlp_impl == "fused"
+    build = registry.models.entry("dit").builder
+    outs = []
+    for impl in ("fused", "torch"):
+        cfg = DiTConfig(hidden_size=32, depth=2, num_heads=2, attn_kernel=5, mlp_impl=impl)
+        torch.manual_seed(0)
+        model = build(cfg, in_channels=3, out_channels=2, img_resolution=[16, 16]).double()
+        assert [m.impl for m in model.modules() if isinstance(m, Mlp)] == [impl, impl]
+        for p in model.parameters():  # (adaLN-zero starts every block as the identity: wake them)
+            torch.nn.init.normal_(p, std=0.2)
+        x, t = torch.randn(2, 3, 16, 16, dtype=torch.float64), torch.rand(2, dtype=torch.float64)
+        y = model(x, t)
+        outs.append((y, *torch.autograd.grad(y.square().sum(), list(model.parameters()))))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    with pytest.raises(Invalid, match=r"mlp_impl"):
+        DiTConfig(mlp_impl="triton")
 
 
 def test_scalar_conditions_must_match_option():
