@@ -120,13 +120,25 @@ def _dropout(input, p: float, train: bool):
     return input if not train or p == 0 else input * 0  # p == 1 (all dropped); eval: identity
 
 
+_TRACING_FOR_CUDA = [False]
+
+
+def tracing_for_cuda() -> bool:
+    """Whether a CPU trace on fake tensors stands in for a CUDA step (inside ``cuda_rules``): where
+    a model picks its kernels by device, it may pick CUDA's, whose fake implementations (a custom
+    op's ``register_fake``) then give the trace what the GPU's kernels would allocate."""
+    return _TRACING_FOR_CUDA[0]
+
+
 @contextlib.contextmanager
 def cuda_rules(low_dtype=None) -> Iterator[None]:
     """Inside: CPU tensors take CUDA's dropout kernel and, with ``low_dtype`` (bf16/fp16), CPU
-    autocast casts as CUDA autocast would."""
+    autocast casts as CUDA autocast would; ``tracing_for_cuda()`` is true."""
     import torch
 
     lib = torch.library.Library("aten", "IMPL")
+    outer = _TRACING_FOR_CUDA[0]
+    _TRACING_FOR_CUDA[0] = True
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel": the point
@@ -142,4 +154,5 @@ def cuda_rules(low_dtype=None) -> Iterator[None]:
                 lib.impl(name, _kernel(_op(name), "low", low_dtype), "AutocastCPU")
         yield
     finally:
+        _TRACING_FOR_CUDA[0] = outer
         del lib  # its finalizer deregisters the kernels: the CPU's own autocast (or none) is back

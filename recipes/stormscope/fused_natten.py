@@ -42,6 +42,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from framework import gpu_rules
+
 try:
     import triton
     import triton.language as tl
@@ -60,9 +62,13 @@ def _interpreted() -> bool:
 
 def available(q: Tensor) -> bool:
     """The kernels can run on ``q``: Triton is installed and ``q`` is a float32 or half-precision
-    CUDA tensor (or any device under Triton's interpreter)."""
+    CUDA tensor (or any device under Triton's interpreter), or a fake tensor of a trace standing in
+    for a CUDA step (``mode=plan``: the ops' fake implementations run, so the trace holds what the
+    kernels would, not the reference's intermediates)."""
     if triton is None or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
+    if isinstance(q, torch._subclasses.FakeTensor) and gpu_rules.tracing_for_cuda():
+        return True
     return (q.is_cuda and torch.cuda.is_available()) or _interpreted()
 
 

@@ -38,6 +38,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from framework import gpu_rules
 from recipes.stormscope import fused_natten
 
 
@@ -571,7 +572,7 @@ def resolved_impl(impl: str, q: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"neighbourhood attention impl must be one of {IMPLS}, got impl={impl!r}")
     if impl == "auto":
-        if q.is_cuda and fused_natten.available(q):
+        if (q.is_cuda or gpu_rules.tracing_for_cuda()) and fused_natten.available(q):
             impl = "fused"
         elif q.is_cuda and flex_supported(q):
             impl = "flex"
