@@ -270,7 +270,7 @@ def load(path, device="cpu", *, data=None) -> tuple[torch.nn.Module, ModelInfo]:
             f"{info.path}: weights do not fit the {info.name} model: missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}"
         )
-    bad = first_non_finite(weights)
+    bad = first_non_finite(weights) if mdlus is None else None  # (read_mdlus checked each tensor it read)
     if bad:
         raise DataError(f"{info.path}: weight {bad}")
     try:

@@ -786,8 +786,11 @@ def test_weights_that_are_not_floating_point_are_refused(tmp_path, dtype):
         mdlus.read_mdlus(path)
 
 
-def test_non_finite_weights_are_refused(tmp_path):
-    """NaN or Inf in a weight only showed later, as a non-finite loss (exit 4): one line naming the tensor."""
+def test_non_finite_weights_are_refused(tmp_path, monkeypatch):
+    """NaN or Inf in a weight only showed later, as a non-finite loss (exit 4): one line naming the
+    tensor, from the reader, which weights.load then does not check a second time."""
+    from recipes.weather import weights
+
     sd, args, meta = regression_archive(regression_model())
     key = f"model.enc.{GRID[0]}x{GRID[0]}_conv.weight"
     for bad in (float("nan"), float("inf")):
@@ -798,6 +801,15 @@ def test_non_finite_weights_are_refused(tmp_path):
             DataError, match=rf"nan.mdlus: model.pt tensor '{key}' holds non-finite values \(NaN or Inf\)$"
         ):
             mdlus.read_mdlus(path)
+        with pytest.raises(DataError, match=rf"nan.mdlus: model.pt tensor '{key}' holds non-finite values"):
+            weights.load(path)
+    checked = {"reader": [], "load": []}
+    real = mdlus.first_non_finite
+    monkeypatch.setattr(mdlus, "first_non_finite", lambda w: checked["reader"].extend(w) or real(w))
+    monkeypatch.setattr(weights, "first_non_finite", lambda w: checked["load"].extend(w) or real(w))
+    good = save_like_physicsnemo(tmp_path / "good.mdlus", *regression_archive(regression_model()))
+    weights.load(good)
+    assert checked["reader"] and not checked["load"], "the weights checked twice"
 
 
 @pytest.mark.parametrize("sigma", [float("inf"), [0.5, float("nan")]])
