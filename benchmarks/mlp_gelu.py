@@ -75,8 +75,6 @@ def compare(rows: int, cols: int, dtype: torch.dtype, device: torch.device, iter
 
 def sweep(rows: int, cols: int, dtype: torch.dtype, specs: list[str], iters: int, warmup: int) -> list[tuple]:
     """(spec, ms, TB/s) of the backward kernel alone with each ``ROWSxSTEPxCOLS/WARPS``."""
-    import triton
-
     device = torch.device("cuda")
     h = torch.randn(rows, cols, device=device).to(dtype)
     dy = torch.randn(rows, cols, device=device).to(dtype)
@@ -87,13 +85,8 @@ def sweep(rows: int, cols: int, dtype: torch.dtype, specs: list[str], iters: int
     for spec in specs:
         tiles, _, warps = spec.partition("/")
         bm, rb, bn = (int(x) for x in tiles.split("x"))
-        sums = torch.empty(triton.cdiv(rows, bm), cols, device=device)
-        grid = (triton.cdiv(rows, bm), triton.cdiv(cols, bn))
-
-        def run(bm=bm, rb=rb, bn=bn, warps=int(warps or 4), sums=sums, grid=grid):
-            gelu._bias_gelu_bwd[grid](dy, h, b, gh, sums, rows, cols, BM=bm, RB=rb, BN=bn, num_warps=warps)
-
-        ms = median_ms(run, iters, warmup, device)
+        t = (bm, rb, bn, int(warps or 4))
+        ms = median_ms(lambda t=t: gelu.launch_backward(dy, h, b, gh, t), iters, warmup, device)
         out.append((spec, ms, moved / ms / 1e9))
     return out
 

@@ -53,8 +53,8 @@ if triton is not None:  # (the kernels read globals only as constexprs)
 # The forward's tiles (rows x columns, 8 warps) and the backward's (rows per program, per step
 # of its loop, columns; 4 warps): each backward program writes one row of column sums, so the
 # sums to finish are (rows / 64, columns), 15.7 MB of float32 for the preset's (81920, 3072)
-# hidden layer against the 0.5 GB re-read they replace. On an H100 (docs/benchmarks.md, run 36,
-# `benchmarks/mlp_gelu.py`'s sweep) the backward took 0.55 ms at this size (2.7 TB/s), 0.54-0.60 for
+# hidden layer against the 0.5 GB re-read they replace. On an H100 (docs/benchmarks.md, run 36:
+# the sweep `benchmarks/mlp_gelu.py --sweep` now makes) the backward took 0.55 ms at this size (2.7 TB/s), 0.54-0.60 for
 # tiles of 32-128 rows, steps of 32, 64-256 columns, 2-8 warps, and 1.22 ms with 256-row programs
 # stepping 16 rows (too few loads in flight); the forward 0.36 ms whatever its tiles.
 _FWD_ROWS, _FWD_COLS, _FWD_WARPS = 32, 256, 8
@@ -111,21 +111,19 @@ if triton is not None:
         tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=in_cols)
 
 
-def _sigmoid_2z_torch(x: Tensor) -> Tensor:
-    return torch.sigmoid(2.0 * _K * (x + _KAPPA * x * x * x))
-
-
-def _compute_dtype(h: Tensor) -> torch.dtype:
-    """float32, or float64 for float64 inputs (the torch formulas' precision)."""
-    return torch.float64 if h.dtype == torch.float64 else torch.float32
+def _x_and_sigmoid_2z(h: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The torch formulas' x = h + b and sigmoid(2z), in float32 (float64 for float64 inputs)."""
+    dt = torch.float64 if h.dtype == torch.float64 else torch.float32
+    x = h.to(dt) + b.to(dt)
+    return x, torch.sigmoid(2.0 * _K * (x + _KAPPA * x * x * x))
 
 
 @torch.library.custom_op("stormscope::bias_gelu", mutates_args=())
 def bias_gelu(h: Tensor, b: Tensor) -> Tensor:
     """GELU(tanh) of ``h + b`` (``b`` over the last axis), in h's dtype; see the module doc."""
     if not _kernels_take(h):
-        x = h.to(_compute_dtype(h)) + b.to(_compute_dtype(h))
-        return (x * _sigmoid_2z_torch(x)).to(h.dtype)
+        x, s = _x_and_sigmoid_2z(h, b)
+        return (x * s).to(h.dtype)
     h2 = h.reshape(-1, h.shape[-1]).contiguous()
     m, n = h2.shape
     a = torch.empty_like(h2)
@@ -144,22 +142,29 @@ def _(h: Tensor, b: Tensor) -> Tensor:
 def bias_gelu_backward(grad: Tensor, h: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """(gradient of ``h`` in h's dtype, of ``b`` in b's) for ``grad`` of ``bias_gelu(h, b)``."""
     if not _kernels_take(h):
-        dt = _compute_dtype(h)
-        x = h.to(dt) + b.to(dt)
-        s = _sigmoid_2z_torch(x)
-        d = grad.to(dt) * (s + x * s * (1.0 - s) * (2.0 * _K) * (1.0 + 3.0 * _KAPPA * x * x))
+        x, s = _x_and_sigmoid_2z(h, b)
+        d = grad.to(x.dtype) * (s + x * s * (1.0 - s) * (2.0 * _K) * (1.0 + 3.0 * _KAPPA * x * x))
         return d.to(h.dtype), d.reshape(-1, h.shape[-1]).sum(0).to(b.dtype)
     h2 = h.reshape(-1, h.shape[-1]).contiguous()
-    m, n = h2.shape
     gh = torch.empty_like(h2)
-    sums = torch.empty(triton.cdiv(m, _BWD_ROWS), n, device=h.device, dtype=torch.float32)
-    grid = (triton.cdiv(m, _BWD_ROWS), triton.cdiv(n, _BWD_COLS))
-    with device_of(h):
-        _bias_gelu_bwd[grid](
-            grad.reshape(h2.shape).contiguous(), h2, b.contiguous(), gh, sums, m, n,
-            BM=_BWD_ROWS, RB=_BWD_STEP, BN=_BWD_COLS, num_warps=_BWD_WARPS,
-        )  # fmt: skip
+    sums = launch_backward(grad.reshape(h2.shape).contiguous(), h2, b.contiguous(), gh)
     return gh.view(h.shape), sums.sum(0).to(b.dtype)
+
+
+def launch_backward(
+    grad: Tensor, h: Tensor, b: Tensor, gh: Tensor, tiles=(_BWD_ROWS, _BWD_STEP, _BWD_COLS, _BWD_WARPS)
+) -> Tensor:
+    """The backward kernel on contiguous (rows, columns) ``grad`` and ``h``, writing ``gh``; returns
+    its per-block column sums. ``tiles``: rows a program, rows a step, columns, warps (what
+    ``benchmarks/mlp_gelu.py --sweep`` varies)."""
+    m, n = h.shape
+    bm, rb, bn, warps = tiles
+    sums = torch.empty(triton.cdiv(m, bm), n, device=h.device, dtype=torch.float32)
+    with device_of(h):
+        _bias_gelu_bwd[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            grad, h, b, gh, sums, m, n, BM=bm, RB=rb, BN=bn, num_warps=warps
+        )
+    return sums
 
 
 @bias_gelu_backward.register_fake

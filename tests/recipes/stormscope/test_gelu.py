@@ -102,6 +102,20 @@ def test_half_precision_inputs_are_computed_in_float32_and_rounded_once(device, 
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_other_backward_tiles_compute_the_same_gradient(device):
+    """``launch_backward``'s tiles (what benchmarks/mlp_gelu.py --sweep varies) change the blocks of
+    the column sums, not the gradient."""
+    h, b, grad = _inputs((200, 300), torch.float32, device, seed=1)
+    b = b.float()
+    want_gh, want_gb = gelu.bias_gelu_backward(grad, h, b)
+    gh = torch.empty_like(h)
+    sums = gelu.launch_backward(grad, h, b, gh, (32, 16, 64, 2))
+    assert sums.shape == (7, 300)
+    assert torch.equal(gh, want_gh)
+    torch.testing.assert_close(sums.sum(0), want_gb, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_the_bias_gradient_is_the_same_bits_every_time(device):
     h, b, grad = _inputs((1000, 96), torch.bfloat16, device, seed=3)
     first = gelu.bias_gelu_backward(grad, h, b.float())
