@@ -79,7 +79,8 @@ def build_model(args):
             from recipes.stormscope import fused_natten
 
             fused_natten.TILES.update(fused_natten.parse_tile_set(args.attn_tiles))
-        cfg, io = DiTConfig(attn_impl=args.attn_impl, attn_block=args.attn_block, mlp_impl=args.mlp_impl), DIT_IO
+        impls = dict(attn_impl=args.attn_impl, mlp_impl=args.mlp_impl, residual_impl=args.residual_impl)
+        cfg, io = DiTConfig(attn_block=args.attn_block, **impls), DIT_IO
     elif args.model == "diffusion":
         from recipes.stormcast.config import SongUNetConfig
         from recipes.weather.edm import EDMPrecond
@@ -608,6 +609,8 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
             *(["--attn-block", str(args.attn_block)] if args.attn_block else []),
             "--mlp-impl",
             args.mlp_impl,
+            "--residual-impl",
+            args.residual_impl,
             *(["--attn-tiles", args.attn_tiles] if args.attn_tiles else []),
             *(["--dropout", str(args.dropout)] if args.dropout is not None else []),
             "--watchdog",
@@ -700,6 +703,12 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--attn-impl", default="auto", help="dit: auto | flex | fused | reference")
     ap.add_argument("--mlp-impl", default="fused", choices=("fused", "torch"), help="dit: the MLP's bias + GELU")
+    ap.add_argument(
+        "--residual-impl",
+        default="fused",
+        choices=("fused", "torch"),
+        help="dit: the blocks' gated residual sums and the norm between them",
+    )
     ap.add_argument("--attn-block", type=int, choices=[64, 128], help="dit: flex's sparse block (default: auto)")
     ap.add_argument(
         "--attn-tiles",
@@ -743,7 +752,7 @@ def print_table(runs: list[dict], args) -> None:
     attention = ""
     if args.model == "dit":
         attention = f", attention {args.attn_impl}" + (f" ({args.attn_tiles})" if args.attn_tiles else "")
-        attention += f", MLP {args.mlp_impl}"
+        attention += f", MLP {args.mlp_impl}, residuals {args.residual_impl}"
     print(
         f"{args.model}, {args.height}x{args.width}, batch {args.batch_per_gpu}/GPU, {args.precision}, "
         f"{base['tflop_per_sample']:.2f} TFLOP/sample{attention}"

@@ -53,6 +53,10 @@ class DiTConfig:
     # the MLP's bias + GELU: fused (one Triton op each way, recipes/stormscope/gelu.py; its torch
     # formulas on CPU) | torch (F.gelu after fc1 with its bias: inductor's kernels when compiled)
     mlp_impl: str = "fused"
+    # each block's two gated residual sums and the adaLN norm between them: fused (Triton ops whose
+    # backward also sums the adaLN terms' and the output biases' gradients, recipes/stormscope/
+    # residual.py; torch formulas on CPU) | torch (as written in torch: inductor's kernels when compiled)
+    residual_impl: str = "fused"
 
     # how the model computes, not what its weights mean: a resumed run may change them
     RESUME_RULES = (
@@ -60,6 +64,7 @@ class DiTConfig:
         ("attn_impl", MAY, None),
         ("attn_block", MAY, None),
         ("mlp_impl", MAY, None),
+        ("residual_impl", MAY, None),
     )
 
     def __post_init__(self):
@@ -68,6 +73,7 @@ class DiTConfig:
         one_of(self, "pos_embed", ("learned", "rope", "none"))
         one_of(self, "attn_impl", ("auto", "flex", "fused", "reference"))
         one_of(self, "mlp_impl", ("fused", "torch"))
+        one_of(self, "residual_impl", ("fused", "torch"))
         if self.attn_block not in BLOCKS:
             raise Invalid("attn_block", f"must be null (auto), 64 or 128 tokens (got {self.attn_block!r})")
         if self.attn_kernel % 2 == 0:

@@ -26,9 +26,11 @@ from torch.utils.checkpoint import checkpoint
 from recipes.stormscope import natten
 from recipes.stormscope.gelu import bias_gelu
 from recipes.stormscope.natten import IMPLS, check_kernel, neighbourhood_attention, shared_masks
+from recipes.stormscope.residual import gated_residual, residual_norm
 
 POS_EMBEDS = ("learned", "rope", "none")
 MLP_IMPLS = ("fused", "torch")
+RESIDUAL_IMPLS = ("fused", "torch")
 
 
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -210,8 +212,11 @@ class NeighbourhoodAttention(nn.Module):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return q, k, v
 
-    def attend(self, q, k, v, q_row_offset: int = 0, kv_row_offset: int = 0, grid_rows: int | None = None):
-        """Attention of q rows over k/v rows (global offsets as in natten), heads merged, projected."""
+    def attend(
+        self, q, k, v, q_row_offset: int = 0, kv_row_offset: int = 0, grid_rows: int | None = None, out_bias=True
+    ):
+        """Attention of q rows over k/v rows (global offsets as in natten), heads merged, projected
+        (without the projection's bias when ``out_bias`` is false: the caller adds it)."""
         o = neighbourhood_attention(
             q,
             k,
@@ -223,19 +228,22 @@ class NeighbourhoodAttention(nn.Module):
             kv_row_offset=kv_row_offset,
             grid_rows=grid_rows,
         )
-        return self._merge(o)
+        return self._merge(o, out_bias)
 
-    def _merge(self, o: torch.Tensor) -> torch.Tensor:
+    def _merge(self, o: torch.Tensor, out_bias: bool = True) -> torch.Tensor:
         """Heads merged (a free reshape of the attention's token-major output), projected."""
         b, _, r, w, _ = o.shape
-        return self.proj(o.permute(0, 2, 3, 1, 4).reshape(b, r, w, -1))
+        return F.linear(
+            o.permute(0, 2, 3, 1, 4).reshape(b, r, w, -1), self.proj.weight, self.proj.bias if out_bias else None
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_bias: bool = True) -> torch.Tensor:
+        """The attention's output; without the projection's bias when ``out_bias`` is false."""
         qkv = self._projection(x)
         if self.rope is None and natten.takes_packed(self.impl, qkv):
             # the fused kernels take the projection whole: its gradient comes back as one tensor
-            return self._merge(natten.packed_neighbourhood_attention(qkv, self.kernel))
-        return self.attend(*self._split(qkv))
+            return self._merge(natten.packed_neighbourhood_attention(qkv, self.kernel), out_bias)
+        return self.attend(*self._split(qkv), out_bias=out_bias)
 
 
 class Mlp(nn.Module):
@@ -253,14 +261,23 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(inner, hidden_size)
         self.impl = impl
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_bias: bool = True) -> torch.Tensor:
+        """The MLP's output; without fc2's bias when ``out_bias`` is false (the caller adds it)."""
         if self.impl == "torch":
-            return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-        return self.fc2(bias_gelu(F.linear(x, self.fc1.weight), self.fc1.bias))
+            hidden = F.gelu(self.fc1(x), approximate="tanh")
+        else:
+            hidden = bias_gelu(F.linear(x, self.fc1.weight), self.fc1.bias)
+        return F.linear(hidden, self.fc2.weight, self.fc2.bias if out_bias else None)
 
 
 class DiTBlock(nn.Module):
-    """adaLN-zero transformer block: modulation starts at zero, so each block starts as identity."""
+    """adaLN-zero transformer block: modulation starts at zero, so each block starts as identity.
+
+    ``residual_impl="fused"``: the two gated residual sums and the norm between them run as
+    ``residual.residual_norm`` and ``residual.gated_residual`` (Triton ops each way whose backward
+    also sums the gradients of the adaLN terms and of the attention's and the MLP's output biases,
+    which those ops add); ``"torch"``: as written in torch (inductor's kernels when compiled).
+    The same function and parameters either way."""
 
     def __init__(
         self,
@@ -273,8 +290,12 @@ class DiTBlock(nn.Module):
         mask_token: bool = False,
         block: int | None = None,
         mlp_impl: str = "fused",
+        residual_impl: str = "fused",
     ):
         super().__init__()
+        if residual_impl not in RESIDUAL_IMPLS:
+            raise ValueError(f"residual_impl must be one of {RESIDUAL_IMPLS}, got residual_impl={residual_impl!r}")
+        self.residual_impl = residual_impl
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.attn = NeighbourhoodAttention(
             hidden_size, num_heads, kernel, rope=rope, impl=impl, mask_token=mask_token, block=block
@@ -290,8 +311,13 @@ class DiTBlock(nn.Module):
         # (B, 6D) -> six (B, 1, 1, D) terms broadcast over the token grid.
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c)[:, None, None].chunk(6, dim=-1)
         h = self.attn.apply_mask_token(_modulate(self.norm1(x), shift1, scale1), invalid)
-        x = x + gate1 * self.attn(h)
-        return x + gate2 * self.mlp(_modulate(self.norm2(x), shift2, scale2))
+        if self.residual_impl == "torch":
+            x = x + gate1 * self.attn(h)
+            return x + gate2 * self.mlp(_modulate(self.norm2(x), shift2, scale2))
+        x, h = residual_norm(
+            x, self.attn(h, out_bias=False), self.attn.proj.bias, gate1, shift2, scale2, self.norm2.eps
+        )
+        return gated_residual(x, self.mlp(h, out_bias=False), self.mlp.fc2.bias, gate2)
 
 
 class FinalLayer(nn.Module):
@@ -353,6 +379,7 @@ class DiT(nn.Module):
         attn_impl: str = "auto",
         attn_block: int | None = None,
         mlp_impl: str = "fused",
+        residual_impl: str = "fused",
     ):
         super().__init__()
         h, w = img_resolution
@@ -394,6 +421,7 @@ class DiT(nn.Module):
                 mask_token=self.mask_token,
                 block=attn_block,
                 mlp_impl=mlp_impl,
+                residual_impl=residual_impl,
             )
             for _ in range(depth)
         )

@@ -82,7 +82,7 @@ class _NeighbourhoodAttentionMixin:
 
     _domain: DomainGroup
 
-    def forward(self, x):
+    def forward(self, x, out_bias: bool = True):
         dg = self._domain
         ext = token_extents(dg, x.shape[1])
         plan = halo_plan(tuple(ext), self.kernel)
@@ -90,7 +90,8 @@ class _NeighbourhoodAttentionMixin:
         q, k, v = self.project(x, start)  # rope (if any) at global rows, before k leaves its owner
         # k and v in one exchange: (2, B, heads, rows, W, head_dim), rows at dim 3
         k, v = halo_rows(torch.stack((k, v)), plan, dg, dim=3).unbind(0)
-        return self.attend(q, k, v, q_row_offset=start, kv_row_offset=start - plan[dg.rank][0], grid_rows=sum(ext))
+        kv_start = start - plan[dg.rank][0]
+        return self.attend(q, k, v, q_row_offset=start, kv_row_offset=kv_start, grid_rows=sum(ext), out_bias=out_bias)
 
 
 class _PosEmbedMixin:

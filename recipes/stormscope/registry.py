@@ -37,6 +37,7 @@ def build_dit(cfg: DiTConfig, *, in_channels: int, out_channels: int, img_resolu
         attn_impl=cfg.attn_impl,
         attn_block=cfg.attn_block,
         mlp_impl=cfg.mlp_impl,
+        residual_impl=cfg.residual_impl,
     )
 
 

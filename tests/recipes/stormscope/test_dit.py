@@ -193,6 +193,7 @@ def test_parameterisation_matches_the_reference_dit():
         (dict(attn_impl="natten"), "attn_impl"),
         (dict(attn_block=32), "attention block"),
         (dict(mlp_impl="cuda"), "mlp_impl"),
+        (dict(residual_impl="cuda"), "residual_impl"),
         (dict(num_heads=5), "num_heads"),
         (dict(hidden_size=24, num_heads=4, pos_embed="rope"), "rope"),
     ],
@@ -219,32 +220,38 @@ def test_attn_block_reaches_every_attention_and_is_checked_in_the_config():
         DiTConfig(attn_block=32)
 
 
-def test_mlp_impl_reaches_every_block_computes_the_same_and_is_checked_in_the_config():
-    """model.mlp_impl: the bias + GELU op (fused, the default) or F.gelu after fc1 (torch), on
-    every block; the same parameters, and outputs and gradients equal to float64 round-off."""
+@pytest.mark.parametrize("knob", ["mlp_impl", "residual_impl"])
+def test_an_impl_knob_reaches_every_block_computes_the_same_and_is_checked_in_the_config(knob):
+    """model.mlp_impl: the bias + GELU op (fused, the default) or F.gelu after fc1 (torch);
+    model.residual_impl: the gated residual and norm ops (fused, the default) or the torch
+    expressions; on every block, with the same parameters, and outputs and gradients equal to
+    float64 round-off."""
     import recipes.stormscope.registry  # noqa: F401  (registers the dit builder)
     from framework import registry
     from framework.config.schema import Invalid
     from recipes.stormscope.config import DiTConfig
-    from recipes.stormscope.dit import Mlp
+    from recipes.stormscope.dit import DiTBlock, Mlp
 
-    assert DiTConfig().mlp_impl == "fused"
+    holder = {"mlp_impl": (Mlp, "impl"), "residual_impl": (DiTBlock, "residual_impl")}[knob]
+    assert getattr(DiTConfig(), knob) == "fused"
     build = registry.models.entry("dit").builder
     outs = []
     for impl in ("fused", "torch"):
-        cfg = DiTConfig(hidden_size=32, depth=2, num_heads=2, attn_kernel=5, mlp_impl=impl)
+        cfg = DiTConfig(hidden_size=32, depth=2, num_heads=2, attn_kernel=5, mask_token=True, **{knob: impl})
         torch.manual_seed(0)
         model = build(cfg, in_channels=3, out_channels=2, img_resolution=[16, 16]).double()
-        assert [m.impl for m in model.modules() if isinstance(m, Mlp)] == [impl, impl]
+        assert [getattr(m, holder[1]) for m in model.modules() if isinstance(m, holder[0])] == [impl, impl]
         for p in model.parameters():  # (adaLN-zero starts every block as the identity: wake them)
             torch.nn.init.normal_(p, std=0.2)
         x, t = torch.randn(2, 3, 16, 16, dtype=torch.float64), torch.rand(2, dtype=torch.float64)
-        y = model(x, t)
+        mask = torch.zeros(2, 1, 16, 16, dtype=torch.bool)
+        mask[0, :, 3:9, 5:7] = True
+        y = model(x, t, mask=mask)
         outs.append((y, *torch.autograd.grad(y.square().sum(), list(model.parameters()))))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
-    with pytest.raises(Invalid, match=r"mlp_impl"):
-        DiTConfig(mlp_impl="triton")
+    with pytest.raises(Invalid, match=knob):
+        DiTConfig(**{knob: "triton"})
 
 
 def test_scalar_conditions_must_match_option():
@@ -404,7 +411,8 @@ def test_a_compiled_block_for_an_h200_reads_q_k_v_in_place_and_keeps_attention_o
     kernel copies q, k or v out of the projection's output (inductor names a copy's kernel after
     its ``clone``). Without rope the ops take the projection whole, so no backward kernel stacks
     dQ, dK and dV into its gradient (``select_backward``: 0.76 of the preset block's 6.0 GB of
-    backward traffic); with rope, q and k are rotated copies, and the views' op runs."""
+    backward traffic); with rope, q and k are rotated copies, and the views' op runs. The gated
+    residual sums and the norm between them are one op each way too."""
     from tests.conftest import benchmark_json
 
     args = ("--batch", 1, "--grid", 12, 16, "--hidden", 64, "--heads", 4, "--kernel", 5, *(["--rope"] if rope else []))
@@ -422,3 +430,9 @@ def test_a_compiled_block_for_an_h200_reads_q_k_v_in_place_and_keeps_attention_o
     assert forward["calls"].count("torch.ops.stormscope.bias_gelu") == 1, forward["calls"]
     assert backward["calls"].count("torch.ops.stormscope.bias_gelu_backward") == 1, backward["calls"]
     assert not [k for k, _ in forward["kernels"] + backward["kernels"] if "gelu" in k and k.startswith("triton")]
+    # and the gated residual sums with the norm between them (recipes/stormscope/residual.py): of the
+    # two LayerNorm backwards, inductor's kernels run the first's alone
+    for op in ("residual_norm", "gated_residual"):
+        assert forward["calls"].count(f"torch.ops.stormscope.{op}") == 1, forward["calls"]
+        assert backward["calls"].count(f"torch.ops.stormscope.{op}_backward") == 1, backward["calls"]
+    assert len([k for k, _ in backward["kernels"] if "layer_norm_backward" in k]) == 1, backward["kernels"]
