@@ -705,7 +705,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mlp-impl", default="fused", choices=("fused", "torch"), help="dit: the MLP's bias + GELU")
     ap.add_argument(
         "--residual-impl",
-        default="fused",
+        default="torch",
         choices=("fused", "torch"),
         help="dit: the blocks' gated residual sums and the norm between them",
     )

@@ -53,10 +53,11 @@ class DiTConfig:
     # the MLP's bias + GELU: fused (one Triton op each way, recipes/stormscope/gelu.py; its torch
     # formulas on CPU) | torch (F.gelu after fc1 with its bias: inductor's kernels when compiled)
     mlp_impl: str = "fused"
-    # each block's two gated residual sums and the adaLN norm between them: fused (Triton ops whose
-    # backward also sums the adaLN terms' and the output biases' gradients, recipes/stormscope/
-    # residual.py; torch formulas on CPU) | torch (as written in torch: inductor's kernels when compiled)
-    residual_impl: str = "fused"
+    # each block's two gated residual sums and the adaLN norm between them: torch (as written in
+    # torch: inductor's kernels when compiled) | fused (Triton ops whose backward also sums the adaLN
+    # terms' and the output biases' gradients, recipes/stormscope/residual.py; torch formulas on CPU;
+    # opt-in until a GPU has timed the step with them: docs/benchmarks.md, run 37)
+    residual_impl: str = "torch"
 
     # how the model computes, not what its weights mean: a resumed run may change them
     RESUME_RULES = (

@@ -213,7 +213,14 @@ class NeighbourhoodAttention(nn.Module):
         return q, k, v
 
     def attend(
-        self, q, k, v, q_row_offset: int = 0, kv_row_offset: int = 0, grid_rows: int | None = None, out_bias=True
+        self,
+        q,
+        k,
+        v,
+        q_row_offset: int = 0,
+        kv_row_offset: int = 0,
+        grid_rows: int | None = None,
+        out_bias: bool = True,
     ):
         """Attention of q rows over k/v rows (global offsets as in natten), heads merged, projected
         (without the projection's bias when ``out_bias`` is false: the caller adds it)."""
@@ -273,11 +280,11 @@ class Mlp(nn.Module):
 class DiTBlock(nn.Module):
     """adaLN-zero transformer block: modulation starts at zero, so each block starts as identity.
 
-    ``residual_impl="fused"``: the two gated residual sums and the norm between them run as
+    ``residual_impl="torch"``: the residual sums and norms as written in torch (inductor's kernels
+    when compiled); ``"fused"``: the two gated residual sums and the norm between them run as
     ``residual.residual_norm`` and ``residual.gated_residual`` (Triton ops each way whose backward
     also sums the gradients of the adaLN terms and of the attention's and the MLP's output biases,
-    which those ops add); ``"torch"``: as written in torch (inductor's kernels when compiled).
-    The same function and parameters either way."""
+    which those ops add). The same function and parameters either way."""
 
     def __init__(
         self,
@@ -290,7 +297,7 @@ class DiTBlock(nn.Module):
         mask_token: bool = False,
         block: int | None = None,
         mlp_impl: str = "fused",
-        residual_impl: str = "fused",
+        residual_impl: str = "torch",
     ):
         super().__init__()
         if residual_impl not in RESIDUAL_IMPLS:
@@ -379,7 +386,7 @@ class DiT(nn.Module):
         attn_impl: str = "auto",
         attn_block: int | None = None,
         mlp_impl: str = "fused",
-        residual_impl: str = "fused",
+        residual_impl: str = "torch",
     ):
         super().__init__()
         h, w = img_resolution

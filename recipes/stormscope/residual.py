@@ -26,9 +26,9 @@ The backward recomputes ``x1`` and the norm's statistics from ``x`` and ``a`` (s
 the ops keep no more for backward than the torch expression does. The sums run in a fixed order:
 deterministic.
 
-Custom ops with a registered backward, so a compiled block traces them without a graph break.
-On CPU (or any tensor the kernels cannot take, float64 say) the same formulas run as torch ops;
-with ``TRITON_INTERPRET=1`` the kernels run on CPU tensors too (the CPU tests check them there).
+The ops have registered backwards (no graph break in a compiled block). Where the kernels cannot
+run (CPU, float64) torch ops compute the same formulas; under ``TRITON_INTERPRET=1`` the kernels
+also run on CPU tensors, as the CPU tests run them.
 """
 
 from __future__ import annotations
@@ -75,6 +75,24 @@ if triton is not None:
         return a, tl.load(gate_ptr + mod, mask=cols_in, other=0.0).to(tl.float32)[None, :]
 
     @triton.jit
+    def _sample_row(scale_ptr, D, BD: tl.constexpr):
+        """This program's sample, the columns, which of them are in range, the sample's row of
+        modulation terms (offsets) and ``1 + scale`` on it."""
+        s = tl.program_id(0)
+        cols = tl.arange(0, BD)
+        cols_in = cols < D
+        mod = s * D + cols
+        scale1 = 1.0 + tl.load(scale_ptr + mod, mask=cols_in, other=0.0).to(tl.float32)[None, :]
+        return s, cols, cols_in, mod, scale1
+
+    @triton.jit
+    def _step(s, i, T, D, cols, cols_in, BM: tl.constexpr, RB: tl.constexpr):
+        """Mask and offsets of the ``RB`` tokens from ``i`` of this program's ``BM`` in sample ``s``."""
+        t = tl.program_id(1) * BM + i + tl.arange(0, RB)
+        mask = (t < T)[:, None] & cols_in[None, :]
+        return mask, (s * T + t).to(tl.int64)[:, None] * D + cols[None, :]
+
+    @triton.jit
     def _normalised(x1, cols_in, D, eps):
         """(x1 - mean) rstd per row over the D columns, and rstd (float32)."""
         mean = tl.sum(x1, 1) / D
@@ -88,17 +106,11 @@ if triton is not None:
         NORM: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
         """``BM`` tokens of sample ``program_id(0)``, ``RB`` a step: x1 and, with ``NORM``, h."""
-        s = tl.program_id(0)
-        cols = tl.arange(0, BD)
-        cols_in = cols < D
-        mod = s * D + cols
+        s, cols, cols_in, mod, scale1 = _sample_row(scale_ptr, D, BD)
         if NORM:
-            scale1 = 1.0 + tl.load(scale_ptr + mod, mask=cols_in, other=0.0).to(tl.float32)[None, :]
             shift = tl.load(shift_ptr + mod, mask=cols_in, other=0.0).to(tl.float32)[None, :]
         for i in range(0, BM, RB):
-            t = tl.program_id(1) * BM + i + tl.arange(0, RB)
-            mask = (t < T)[:, None] & cols_in[None, :]
-            offs = (s * T + t).to(tl.int64)[:, None] * D + cols[None, :]
+            mask, offs = _step(s, i, T, D, cols, cols_in, BM, RB)
             a, gate = _gated(a_ptr, b_ptr, gate_ptr, offs, cols, mod, mask, cols_in)
             x1 = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + gate * a).to(x1_ptr.dtype.element_ty)
             tl.store(x1_ptr + offs, x1, mask=mask)
@@ -115,20 +127,13 @@ if triton is not None:
         gradient ``g`` and, with ``NORM``, h's ``gh``: the stream's (into ``dx``; without the norm it
         is ``g``) and a's, and one row each of column sums of the stream's gradient, of it times
         ``a + bias`` and, with ``NORM``, of ``gh`` and of ``gh`` times the normalised x1."""
-        s = tl.program_id(0)
-        cols = tl.arange(0, BD)
-        cols_in = cols < D
-        mod = s * D + cols
-        if NORM:
-            scale1 = 1.0 + tl.load(scale_ptr + mod, mask=cols_in, other=0.0).to(tl.float32)[None, :]
+        s, cols, cols_in, mod, scale1 = _sample_row(scale_ptr, D, BD)
         sum_g = tl.zeros([BD], tl.float32)
         sum_ga = tl.zeros([BD], tl.float32)
         sum_gh = tl.zeros([BD], tl.float32)
         sum_ghx = tl.zeros([BD], tl.float32)
         for i in range(0, BM, RB):
-            t = tl.program_id(1) * BM + i + tl.arange(0, RB)
-            mask = (t < T)[:, None] & cols_in[None, :]
-            offs = (s * T + t).to(tl.int64)[:, None] * D + cols[None, :]
+            mask, offs = _step(s, i, T, D, cols, cols_in, BM, RB)
             a, gate = _gated(a_ptr, b_ptr, gate_ptr, offs, cols, mod, mask, cols_in)
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if NORM:
@@ -205,7 +210,7 @@ def launch_backward(g, gh, x, a, bias, gate, scale, eps, tiles=_BWD_TILES):
     with device_of(a):
         _backward[(b, blocks)](
             g2, _flat(gh, b * t, d) if norm else g2, _flat(x, b * t, d) if norm else g2, _flat(a, b * t, d),
-            bias.contiguous(), _flat(gate, b, d), _flat(scale, b, d) if norm else g2, dx, da, sums, t, d, eps,
+            bias.contiguous(), _flat(gate, b, d), _flat(scale if norm else gate, b, d), dx, da, sums, t, d, eps,
             NORM=norm, BM=bm, RB=rb, BD=triton.next_power_of_2(d), num_warps=warps,
         )  # fmt: skip
     return dx, da, sums

@@ -223,8 +223,8 @@ def test_attn_block_reaches_every_attention_and_is_checked_in_the_config():
 @pytest.mark.parametrize("knob", ["mlp_impl", "residual_impl"])
 def test_an_impl_knob_reaches_every_block_computes_the_same_and_is_checked_in_the_config(knob):
     """model.mlp_impl: the bias + GELU op (fused, the default) or F.gelu after fc1 (torch);
-    model.residual_impl: the gated residual and norm ops (fused, the default) or the torch
-    expressions; on every block, with the same parameters, and outputs and gradients equal to
+    model.residual_impl: the torch expressions (the default) or the gated residual and norm ops
+    (fused); on every block, with the same parameters, and outputs and gradients equal to
     float64 round-off."""
     import recipes.stormscope.registry  # noqa: F401  (registers the dit builder)
     from framework import registry
@@ -233,7 +233,7 @@ def test_an_impl_knob_reaches_every_block_computes_the_same_and_is_checked_in_th
     from recipes.stormscope.dit import DiTBlock, Mlp
 
     holder = {"mlp_impl": (Mlp, "impl"), "residual_impl": (DiTBlock, "residual_impl")}[knob]
-    assert getattr(DiTConfig(), knob) == "fused"
+    assert getattr(DiTConfig(), knob) == {"mlp_impl": "fused", "residual_impl": "torch"}[knob]
     build = registry.models.entry("dit").builder
     outs = []
     for impl in ("fused", "torch"):
@@ -415,7 +415,8 @@ def test_a_compiled_block_for_an_h200_reads_q_k_v_in_place_and_keeps_attention_o
     residual sums and the norm between them are one op each way too."""
     from tests.conftest import benchmark_json
 
-    args = ("--batch", 1, "--grid", 12, 16, "--hidden", 64, "--heads", 4, "--kernel", 5, *(["--rope"] if rope else []))
+    args = ("--batch", 1, "--grid", 12, 16, "--hidden", 64, "--heads", 4, "--kernel", 5, "--residual-impl", "fused")
+    args += ("--rope",) if rope else ()
     result = benchmark_json("block_lowering.py", *args)
     forward, backward = result["forward"], result["backward"]
     assert forward["error"] is None and backward["error"] is None, result

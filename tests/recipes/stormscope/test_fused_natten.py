@@ -20,11 +20,9 @@ pytest.importorskip("triton")
 from recipes.stormscope import fused_natten, natten  # noqa: E402
 from recipes.stormscope.dit import DiT, DiTBlock  # noqa: E402
 from recipes.stormscope.natten import dense_neighbourhood_attention, kv_rows_needed  # noqa: E402
+from tests.recipes.stormscope.kernel_devices import INTERPRETED, KERNEL_DEVICES
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = (["cpu"] if INTERPRETED else []) + [
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")])
-]
+DEVICES = KERNEL_DEVICES
 needs_kernels = pytest.mark.skipif(
     not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1 before Triton's import"
 )

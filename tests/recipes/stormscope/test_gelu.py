@@ -7,19 +7,13 @@ README's suite runs the rest (the torch formulas, which the CPU model uses).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from recipes.stormscope import gelu
 from recipes.stormscope.dit import Mlp
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-KERNEL_DEVICES = (["cpu"] if INTERPRETED else []) + [
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")])
-]
+from tests.recipes.stormscope.kernel_devices import INTERPRETED, KERNEL_DEVICES
 
 
 def _inputs(shape, dtype, device="cpu", seed=0):

@@ -50,8 +50,10 @@ CASES = [
         (2, 4),
     ),
     (
-        "rope, kernel 7, mask token + mask, checkpointed blocks",
-        dict(num_heads=4, attn_kernel=7, pos_embed="rope", mask_token=True, checkpoint_blocks=True),
+        "rope, kernel 7, mask token + mask, checkpointed blocks, the residual ops",
+        dict(
+            num_heads=4, attn_kernel=7, pos_embed="rope", mask_token=True, checkpoint_blocks=True, residual_impl="fused"
+        ),
         (2, 4),
     ),
     (
@@ -179,8 +181,9 @@ def test_split_dit_matches_the_whole_one_on_2_and_4_ranks():
 
 
 def _compiled(rank, world):
-    """trainer.compile on the split DiT: the blocks' halo exchanges (of other widths per band, as
-    the clamped windows ask) in their graphs, no graph break, the whole model's values."""
+    """trainer.compile on the split DiT (with the residual ops): the blocks' halo exchanges (of other
+    widths per band, as the clamped windows ask) in their graphs, no graph break, the whole model's
+    values."""
     from framework.train.compile import compile_model
 
     torch.set_num_threads(1)
@@ -193,7 +196,7 @@ def _compiled(rank, world):
         stats.append(compile_model(model, device_type="cpu", backend="aot_eager"))
         return model
 
-    kw = dict(num_heads=2, attn_kernel=5, pos_embed="learned", num_scalar_conditions=2)
+    kw = dict(num_heads=2, attn_kernel=5, pos_embed="learned", num_scalar_conditions=2, residual_impl="fused")
     model = randomize(_dit(**kw), seed=3, std=0.2)
     x, args = _inputs(kw, seed=13)
     dg = DomainGroup(dist.group.WORLD, SPLITS[2]["thin first band"])
