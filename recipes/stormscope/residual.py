@@ -258,8 +258,8 @@ def _(x, a, bias, gate):
 
 @torch.library.custom_op("stormscope::gated_residual_backward", mutates_args=())
 def gated_residual_backward(g: Tensor, a: Tensor, bias: Tensor, gate: Tensor) -> tuple[Tensor, Tensor]:
-    """(a's gradient, per-sample float32 column sums (B, 2, D) of ``g`` and of ``g (a + bias)``) for
-    the gradient ``g`` of ``gated_residual`` (whose ``x`` gradient is ``g`` itself)."""
+    """(a's gradient, per-sample column sums (B, 2, D; float64 for float64 inputs) of ``g`` and of
+    ``g (a + bias)``) for the gradient ``g`` of ``gated_residual`` (whose ``x`` gradient is ``g``)."""
     if _kernels_take(g, a, bias, gate):
         _, da, sums = launch_backward(g, None, None, a, bias, gate, None, 0.0)
         return da, sums[:, :, :2].sum(1)
@@ -302,9 +302,9 @@ def _(x, a, bias, gate, shift, scale, eps):
 def residual_norm_backward(
     g: Tensor, gh: Tensor, x: Tensor, a: Tensor, bias: Tensor, gate: Tensor, scale: Tensor, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(the stream's gradient, a's, per-sample float32 column sums (B, 4, D) of the stream's gradient,
-    of it times ``a + bias``, of ``gh`` and of ``gh`` times the normalised x1) for the gradients ``g``
-    of ``residual_norm``'s x1 and ``gh`` of its h."""
+    """(the stream's gradient, a's, per-sample column sums (B, 4, D; float64 for float64 inputs) of
+    the stream's gradient, of it times ``a + bias``, of ``gh`` and of ``gh`` times the normalised x1)
+    for the gradients ``g`` of ``residual_norm``'s x1 and ``gh`` of its h."""
     if _kernels_take(g, gh, x, a, bias, gate, scale):
         dx, da, sums = launch_backward(g, gh, x, a, bias, gate, scale, eps)
         return dx, da, sums.sum(1)
