@@ -34,13 +34,13 @@ from recipes.stormscope import residual  # noqa: E402
 EPS = 1e-6
 
 
-def _torch_residual_norm(x, a, bias, gate, shift, scale):
-    x1 = x + gate * (a + bias.to(a.dtype))
-    return x1, (F.layer_norm(x1.float(), x1.shape[-1:], eps=EPS) * (1 + scale) + shift).to(x1.dtype)
-
-
 def _torch_gated(x, a, bias, gate):
     return x + gate * (a + bias.to(a.dtype))
+
+
+def _torch_residual_norm(x, a, bias, gate, shift, scale):
+    x1 = _torch_gated(x, a, bias, gate)
+    return x1, (F.layer_norm(x1.float(), x1.shape[-1:], eps=EPS) * (1 + scale) + shift).to(x1.dtype)
 
 
 def _op_residual_norm(x, a, bias, gate, shift, scale):

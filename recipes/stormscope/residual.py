@@ -49,8 +49,8 @@ except ImportError:  # CPU-only installs: the torch formulas below
 # Tokens a program, tokens a step of its loop, warps: forward, backward. A backward program writes
 # one row of column sums each: (B, T / 128, 4, D) float32 partial sums, 7.9 MB for the preset's
 # 4 x 20480 tokens of 768 against the 0.13 GB a re-read of one gradient costs. Built for sm90
-# (``benchmarks/kernel_build.py``), the backward with the norm takes 125 registers a thread at 2
-# tokens a step (2 programs of 8 warps an SM), 161 at 4.
+# (``benchmarks/kernel_build.py``), the backward with the norm takes 127 registers a thread at 2
+# tokens a step (2 programs of 8 warps an SM), 162 at 4.
 _FWD_TILES = (128, 4, 8)
 _BWD_TILES = (128, 2, 8)
 
@@ -68,22 +68,18 @@ def _kernels_take(*tensors: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gated(a_ptr, b_ptr, gate_ptr, offs, cols, mod, mask, cols_in):
-        """(a + bias, gate) of a tile, in float32."""
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        a += tl.load(b_ptr + cols, mask=cols_in, other=0.0).to(tl.float32)[None, :]
-        return a, tl.load(gate_ptr + mod, mask=cols_in, other=0.0).to(tl.float32)[None, :]
-
-    @triton.jit
-    def _sample_row(scale_ptr, D, BD: tl.constexpr):
+    def _sample_row(b_ptr, gate_ptr, scale_ptr, D, BD: tl.constexpr):
         """This program's sample, the columns, which of them are in range, the sample's row of
-        modulation terms (offsets) and ``1 + scale`` on it."""
+        modulation terms (offsets), and the rows every token of it shares (loaded once, not per
+        step): bias, gate and ``1 + scale`` (float32)."""
         s = tl.program_id(0)
         cols = tl.arange(0, BD)
         cols_in = cols < D
         mod = s * D + cols
+        bias = tl.load(b_ptr + cols, mask=cols_in, other=0.0).to(tl.float32)[None, :]
+        gate = tl.load(gate_ptr + mod, mask=cols_in, other=0.0).to(tl.float32)[None, :]
         scale1 = 1.0 + tl.load(scale_ptr + mod, mask=cols_in, other=0.0).to(tl.float32)[None, :]
-        return s, cols, cols_in, mod, scale1
+        return s, cols, cols_in, mod, bias, gate, scale1
 
     @triton.jit
     def _step(s, i, T, D, cols, cols_in, BM: tl.constexpr, RB: tl.constexpr):
@@ -106,12 +102,12 @@ if triton is not None:
         NORM: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
         """``BM`` tokens of sample ``program_id(0)``, ``RB`` a step: x1 and, with ``NORM``, h."""
-        s, cols, cols_in, mod, scale1 = _sample_row(scale_ptr, D, BD)
+        s, cols, cols_in, mod, bias, gate, scale1 = _sample_row(b_ptr, gate_ptr, scale_ptr, D, BD)
         if NORM:
             shift = tl.load(shift_ptr + mod, mask=cols_in, other=0.0).to(tl.float32)[None, :]
         for i in range(0, BM, RB):
             mask, offs = _step(s, i, T, D, cols, cols_in, BM, RB)
-            a, gate = _gated(a_ptr, b_ptr, gate_ptr, offs, cols, mod, mask, cols_in)
+            a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32) + bias
             x1 = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + gate * a).to(x1_ptr.dtype.element_ty)
             tl.store(x1_ptr + offs, x1, mask=mask)
             if NORM:  # the norm of the stream as stored
@@ -127,14 +123,14 @@ if triton is not None:
         gradient ``g`` and, with ``NORM``, h's ``gh``: the stream's (into ``dx``; without the norm it
         is ``g``) and a's, and one row each of column sums of the stream's gradient, of it times
         ``a + bias`` and, with ``NORM``, of ``gh`` and of ``gh`` times the normalised x1."""
-        s, cols, cols_in, mod, scale1 = _sample_row(scale_ptr, D, BD)
+        s, cols, cols_in, mod, bias, gate, scale1 = _sample_row(b_ptr, gate_ptr, scale_ptr, D, BD)
         sum_g = tl.zeros([BD], tl.float32)
         sum_ga = tl.zeros([BD], tl.float32)
         sum_gh = tl.zeros([BD], tl.float32)
         sum_ghx = tl.zeros([BD], tl.float32)
         for i in range(0, BM, RB):
             mask, offs = _step(s, i, T, D, cols, cols_in, BM, RB)
-            a, gate = _gated(a_ptr, b_ptr, gate_ptr, offs, cols, mod, mask, cols_in)
+            a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32) + bias
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if NORM:
                 x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + gate * a
@@ -174,8 +170,9 @@ def _stream_dtype(x: Tensor, a: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, a.dtype)
 
 
-def _sums_dtype(a: Tensor, bias: Tensor, gate: Tensor) -> torch.dtype:
-    """The column sums' dtype: float32 (float64 for float64 inputs, which run the torch formulas)."""
+def _float_dtype(a: Tensor, bias: Tensor, gate: Tensor) -> torch.dtype:
+    """The torch formulas' and the column sums' dtype: float32 (float64 for float64 inputs, which
+    run the torch formulas)."""
     return torch.float64 if torch.float64 in (a.dtype, bias.dtype, gate.dtype) else torch.float32
 
 
@@ -221,7 +218,7 @@ def launch_backward(g, gh, x, a, bias, gate, scale, eps, tiles=_BWD_TILES):
 
 def _torch_gated(a: Tensor, bias: Tensor, gate: Tensor) -> tuple[Tensor, Tensor, torch.dtype]:
     """(a + bias as (B, T, D), gate as (B, 1, D)) in float32 (float64 for float64 inputs)."""
-    dt = _sums_dtype(a, bias, gate)
+    dt = _float_dtype(a, bias, gate)
     b, t, d = _shape(a, gate)
     return a.reshape(b, t, d).to(dt) + bias.to(dt), gate.reshape(b, 1, d).to(dt), dt
 
@@ -272,7 +269,7 @@ def gated_residual_backward(g: Tensor, a: Tensor, bias: Tensor, gate: Tensor) ->
 def _(g, a, bias, gate):
     b, _, d = _shape(a, gate)
     return torch.empty_like(a, memory_format=torch.contiguous_format), a.new_empty(
-        b, 2, d, dtype=_sums_dtype(a, bias, gate)
+        b, 2, d, dtype=_float_dtype(a, bias, gate)
     )
 
 
@@ -326,7 +323,7 @@ def _(g, gh, x, a, bias, gate, scale, eps):
     return (
         dx,
         torch.empty_like(a, memory_format=torch.contiguous_format),
-        a.new_empty(b, 4, d, dtype=_sums_dtype(a, bias, gate)),
+        a.new_empty(b, 4, d, dtype=_float_dtype(a, bias, gate)),
     )
 
 
