@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -130,10 +131,13 @@ class _Zygote:
 
         if self.proc is None or self.proc.poll() is not None:
             self._start()
-        with tempfile.TemporaryDirectory() as tmp:
+        from tests.zygote import held_store
+
+        store = held_store(nproc) if nproc > 1 else contextlib.nullcontext({})
+        with tempfile.TemporaryDirectory() as tmp, store as store_env:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             req = dict(module=module, argv=args, cwd=str(cwd), env=env, nproc=nproc, timeout=timeout)
-            req.update(stdout=str(out), stderr=str(err))
+            req.update(stdout=str(out), stderr=str(err), store=store_env)
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
             reply = json.loads(self.proc.stdout.readline())

@@ -1,4 +1,4 @@
-"""Start real ranks from inside pytest: gloo on localhost, a free port, one process each.
+"""Start real ranks from inside pytest: gloo on localhost, a store held by pytest, one process each.
 
 The ranks are forked by multiprocessing's fork server, which imports torch & co once
 (tests.zygote.PRELOAD), instead of each rank paying 5-15 s of imports as a spawned interpreter."""
@@ -14,13 +14,11 @@ import traceback
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.zygote import PRELOAD, free_port
+from tests.zygote import PRELOAD, held_store
 
 
-def _entry(rank, world, port, fn, args, errors, timeout_s):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
+def _entry(rank, world, store, fn, args, errors, timeout_s):
+    os.environ.update(store, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     faulthandler.enable(all_threads=True)  # a rank that dies of a signal prints where each thread was
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
@@ -44,9 +42,10 @@ def spawn(fn, world: int, *args, timeout_s: float = 120):
     ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (first use)
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(
-            _entry, args=(world, free_port(), fn, args, errors, timeout_s), nprocs=world, start_method="forkserver"
-        )
+        with held_store(world) as store:
+            mp.start_processes(
+                _entry, args=(world, store, fn, args, errors, timeout_s), nprocs=world, start_method="forkserver"
+            )
     except mp.ProcessRaisedException as e:
         details = [] if errors.empty() else [errors.get()]
         raise AssertionError(f"rank failed: {details or e}") from None

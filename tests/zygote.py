@@ -5,7 +5,8 @@ imports every process otherwise pays (most of a tiny run's time on two cores).
 Each request starts ``nproc`` forked processes that run ``framework.__main__`` exactly as
 ``python -m framework ARGS`` would (argv, environment, working directory, sys.path, stdout and
 stderr in files, the exit status), with the variables torchrun sets when ``nproc`` > 1 (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT: gloo over TCP between real processes). Like torchrun,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT of the client's ``held_store``: gloo over TCP between real
+processes). Like torchrun,
 the first rank to fail stops the others. The framework's own modules are imported fresh in every
 child, so PYTHONPATH and the code on disk count as in a new interpreter. What torchrun itself does
 (its signals, its death) is tested through the real torchrun (tests.conftest.run_cli(real=True)).
@@ -15,11 +16,11 @@ Protocol: one JSON request per stdin line, one JSON reply per stdout line.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -43,13 +44,22 @@ PRELOAD = (
 STOP_GRACE_S = 5.0  # after the first failure, SIGTERM the other ranks, SIGKILL this long after
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def held_store(world: int):
+    """A TCPStore server on a port the kernel chose, held by the caller while ranks run: yields
+    the environment that makes them join it as clients (as torchrun's agent store). A port
+    picked free and closed again could be taken (by any socket's ephemeral port) before rank
+    0 bound it: EADDRINUSE, seen under the parallel suite."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    try:
+        yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    finally:
+        del store
 
 
-def _child(req: dict, rank: int, port: int, base_path: list[str]) -> None:
+def _child(req: dict, rank: int, base_path: list[str]) -> None:
     code = 1
     try:
         os.setpgid(0, 0)  # its own group: a stop reaches what it started too
@@ -68,8 +78,7 @@ def _child(req: dict, rank: int, port: int, base_path: list[str]) -> None:
                 WORLD_SIZE=str(req["nproc"]),
                 LOCAL_WORLD_SIZE=str(req["nproc"]),
                 GROUP_RANK="0",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
+                **req["store"],  # the client's held_store
                 TORCHELASTIC_RUN_ID=req["run_id"],  # one launch: one run lock owner, one launch time
             )
         os.environ.clear()
@@ -118,7 +127,6 @@ def _stop(pids: dict[int, int], sig: int) -> None:
 
 
 def launch(req: dict, base_path: list[str]) -> dict:
-    port = free_port() if req["nproc"] > 1 else 0
     req["run_id"] = f"zygote-{os.getpid()}-{time.monotonic_ns()}"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -126,7 +134,7 @@ def launch(req: dict, base_path: list[str]) -> dict:
     for rank in range(req["nproc"]):
         pid = os.fork()
         if pid == 0:
-            _child(req, rank, port, base_path)
+            _child(req, rank, base_path)
         pids[pid] = rank
     codes: dict[int, int] = {}
     deadline = time.monotonic() + req["timeout"]

@@ -19,7 +19,8 @@ from packaging.version import Version
 
 from framework import compat
 from tests.conftest import REPO
-from tests.multiproc import free_port, spawn
+from tests.multiproc import spawn
+from tests.zygote import held_store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,13 +69,14 @@ def test_timeout_of_the_group_process_group_made(monkeypatch):
     """In this process: one gloo rank, the timeout we gave, read back two ways."""
     from framework.distributed import env as env_mod
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     one_rank = types.SimpleNamespace(rank=0, world_size=1, distributed=True)
     assert not dist.is_initialized()
-    with env_mod.process_group(one_rank, types.SimpleNamespace(type="cpu"), timeout_s=77):
-        assert env_mod.collective_timeout() == datetime.timedelta(seconds=77)
-        assert compat.group_timeout() == datetime.timedelta(seconds=77)  # torch's private field, read back
+    with held_store(1) as store:
+        for name, value in store.items():
+            monkeypatch.setenv(name, value)
+        with env_mod.process_group(one_rank, types.SimpleNamespace(type="cpu"), timeout_s=77):
+            assert env_mod.collective_timeout() == datetime.timedelta(seconds=77)
+            assert compat.group_timeout() == datetime.timedelta(seconds=77)  # torch's private field, read back
     assert not dist.is_initialized()
     assert compat.group_timeout() is None
     assert env_mod.collective_timeout() == dist.default_pg_timeout
