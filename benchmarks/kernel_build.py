@@ -39,7 +39,7 @@ from recipes.stormscope import fused_natten  # noqa: E402
 from recipes.stormscope.natten import window_starts  # noqa: E402
 
 KERNELS = ("_fna_forward", "_fna_backward_dq", "_fna_backward_dkdv")  # the tiled ones
-DELTA = "_fna_delta"  # the backward's rowsum(dO * O): no tiles, no loop
+DELTA = "_fna_delta"  # the backward's rowsum(dO * O) without a dQ kernel (/atomic): no tiles, no loop
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
@@ -321,8 +321,9 @@ def parse_tiles(text: str) -> fused_natten.Tiles:
 
 
 def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None) -> list:
-    """The recorded launches of one forward and backward at this size, the backward's delta kernel
-    among them (``tiles`` for the three tiled kernels)."""
+    """The recorded launches of one forward and backward at this size (``tiles`` for the three
+    tiled kernels; with ``/atomic`` dK/dV tiles the backward's delta kernel is among them, else
+    the dQ kernel sums rowsum(dO * O) itself)."""
     saved, saved_fp32 = dict(fused_natten.TILES), fused_natten.TILES_FP32
     if tiles is not None:
         fused_natten.TILES.update(fwd=tiles, dq=tiles, dkdv=tiles)

@@ -477,6 +477,29 @@ if triton is not None:
         tl.store(lse_ptr + l_offs, m_i + tl.log2(l_i), mask=valid)
 
     @triton.jit
+    def _statistics(
+        do_ptr, o_ptr, lse_ptr, stats_ptr, b, h, rows, cols, valid, sd_b, sd_h, sd_r, sd_c,
+        so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c, st_b, st_h, st_r, st_c,
+        D: tl.constexpr, DP: tl.constexpr, WIDE: tl.constexpr,
+    ):  # fmt: skip
+        """The (lse, delta) records of the queries at ``rows``, ``cols`` (where ``valid``); returns
+        (lse, delta). delta = rowsum(dO * O) in float32 from the 16-bit values, over the head
+        padded to DP in one sum (the same order in either kernel that calls this)."""
+        d = tl.arange(0, DP)
+        mask = valid[:, None] & (d[None, :] < D)
+        do_offs = _offsets(rows, cols, sd_r, sd_c, WIDE)[:, None] + d[None, :]
+        do = tl.load(do_ptr + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h + do_offs, mask=mask, other=0.0)
+        o_offs = _offsets(rows, cols, so_r, so_c, WIDE)[:, None] + d[None, :]
+        o = tl.load(o_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + o_offs, mask=mask, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
+        lse = tl.load(lse_ptr + l_offs, mask=valid, other=0.0)
+        rec = _records(stats_ptr, b, h, st_b, st_h) + 2 * _offsets(rows, cols, st_r, st_c, WIDE)
+        tl.store(rec, lse, mask=valid)
+        tl.store(rec + 1, delta, mask=valid)
+        return lse, delta
+
+    @triton.jit
     def _fna_delta(
         do_ptr, o_ptr, lse_ptr, stats_ptr, sd_b, sd_h, sd_r, sd_c, so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c,
         st_b, st_h, st_r, st_c, hq, w, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, WIDE: tl.constexpr,
@@ -487,31 +510,26 @@ if triton is not None:
         written with the query's lse as one (lse, delta) record (``_stats``)."""
         n = tl.program_id(0) * T + tl.arange(0, T)
         b, h = tl.program_id(2), tl.program_id(1)
-        rows, cols = n // w, n % w
-        d = tl.arange(0, DP)
-        mask = (n < hq * w)[:, None] & (d[None, :] < D)
-        do_offs = _offsets(rows, cols, sd_r, sd_c, WIDE)[:, None] + d[None, :]
-        do = tl.load(do_ptr + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h + do_offs, mask=mask, other=0.0)
-        o_offs = _offsets(rows, cols, so_r, so_c, WIDE)[:, None] + d[None, :]
-        o = tl.load(o_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + o_offs, mask=mask, other=0.0)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        l_offs = b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + _offsets(rows, cols, sl_r, sl_c, WIDE)
-        lse = tl.load(lse_ptr + l_offs, mask=n < hq * w, other=0.0)
-        rec = _records(stats_ptr, b, h, st_b, st_h) + 2 * _offsets(rows, cols, st_r, st_c, WIDE)
-        tl.store(rec, lse, mask=n < hq * w)
-        tl.store(rec + 1, delta, mask=n < hq * w)
+        _statistics(
+            do_ptr, o_ptr, lse_ptr, stats_ptr, b, h, n // w, n % w, n < hq * w, sd_b, sd_h, sd_r, sd_c,
+            so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c, st_b, st_h, st_r, st_c, D, DP, WIDE,
+        )  # fmt: skip
 
     @triton.jit
     def _fna_backward_dq(
-        q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, stats_ptr, dq_ptr,
+        q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, o_ptr, lse_ptr, stats_ptr, dq_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
-        sd_b, sd_h, sd_r, sd_c, st_b, st_h, st_r, st_c, sg_b, sg_h, sg_r, sg_c,
+        sd_b, sd_h, sd_r, sd_c, so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c,
+        st_b, st_h, st_r, st_c, sg_b, sg_h, sg_r, sg_c,
         hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
-        FULL: tl.constexpr,
+        FULL: tl.constexpr, DP: tl.constexpr,
     ):  # fmt: skip
-        """dQ of one query tile: the forward's loop, recomputing the probabilities from the lse."""
+        """dQ of one query tile: the forward's loop, recomputing the probabilities from the lse.
+        First its queries' (lse, delta) records, as ``_fna_delta`` writes them (the dK/dV kernel,
+        launched after this one, reads them): a prologue on what this program reads anyway,
+        instead of a kernel's pass over dO and O that divided by the grid's width per token."""
         b, h, rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
             hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
         )
@@ -519,9 +537,10 @@ if triton is not None:
         q0, q1 = _load(q_ptr + bh_q, _offsets(rows, cols, sq_r, sq_c, WIDE), valid, D, D0, D1)
         do_base = do_ptr + b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h
         do0, do1 = _load(do_base, _offsets(rows, cols, sd_r, sd_c, WIDE), valid, D, D0, D1)
-        rec = _records(stats_ptr, b, h, st_b, st_h) + 2 * _offsets(rows, cols, st_r, st_c, WIDE)
-        lse = tl.load(rec, mask=valid, other=0.0)
-        delta = tl.load(rec + 1, mask=valid, other=0.0)
+        lse, delta = _statistics(
+            do_ptr, o_ptr, lse_ptr, stats_ptr, b, h, rows, cols, valid, sd_b, sd_h, sd_r, sd_c,
+            so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c, st_b, st_h, st_r, st_c, D, DP, WIDE,
+        )  # fmt: skip
         dq0, dq1 = _accumulators(QH * QW, D0, D1)
         o_r, o_c = _key_origin(lo_r, hi_r, lo_c, hi_c, kv_off, span_r, span_c, KH, KW, FULL)
         n_r, n_c, k_inner, v_inner = _key_places(sk_r, sk_c, sv_r, sv_c, KH, KW, WIDE)
@@ -824,6 +843,11 @@ def _record_strides(stats: Tensor) -> tuple[int, int, int, int]:
     return tuple(s // 2 for s in stats.stride()[:4])  # type: ignore[return-value]
 
 
+def _padded_head(x: Tensor) -> int:
+    """The head dimension rounded up to a power of two (at least 16): ``_statistics``' block."""
+    return max(16, triton.next_power_of_2(x.shape[-1]))
+
+
 def _row_sums(grad: Tensor, out: Tensor, lse: Tensor, stats: Tensor, wide: bool) -> None:
     """delta = rowsum(dO * O) in float32, written into ``stats`` (``_stats``) beside each query's
     lse (read with lse's strides: lse may come back from a saved-tensor hook in another layout
@@ -833,7 +857,7 @@ def _row_sums(grad: Tensor, out: Tensor, lse: Tensor, stats: Tensor, wide: bool)
     with device_of(grad):
         _fna_delta[grid](
             grad, out, lse, stats, *_strides(grad), *_strides(out), *_strides(lse), *_record_strides(stats), hq, w,
-            D=d, DP=max(16, triton.next_power_of_2(d)), T=_DELTA_TOKENS, WIDE=wide,
+            D=d, DP=_padded_head(grad), T=_DELTA_TOKENS, WIDE=wide,
         )  # fmt: skip
 
 
@@ -868,17 +892,20 @@ def _backward_into(
     sm_scale, qk_scale = _scales(q.shape[-1])
     scalars = (g.hq, g.w, g.q_off, g.kv_off, g.grid_rows, g.half, g.span_r, g.span_c, qk_scale, sm_scale)
     stats = _stats(grad)
-    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_record_strides(stats))
+    inputs = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad))
+    common = (*inputs, *_record_strides(stats))
     wide = _wide(grad, q, k, v, out, dq, dk, lse, stats)
-    _row_sums(grad, out, lse, stats, wide)
-    if not atomic:
+    if atomic:  # (no dQ kernel to sum rowsum(dO * O) on the way: a kernel of its own)
+        _row_sums(grad, out, lse, stats, wide)
+    else:
         tiles = _tiles("dq", q)
         grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
         tma = _use_tma(tiles, k, v)
         sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
         with device_of(q):
             _fna_backward_dq[grid](
-                q, *sources, grad, stats, dq, *common, *_strides(dq), *scalars, WIDE=wide, TMA=tma,
+                q, *sources, grad, out, lse, stats, dq, *inputs, *_strides(out), *_strides(lse),
+                *_record_strides(stats), *_strides(dq), *scalars, WIDE=wide, TMA=tma, DP=_padded_head(q),
                 **_constants(q, tiles),
             )  # fmt: skip
     tiles = dkdv_tiles
