@@ -32,6 +32,13 @@ step compiles, and its wall time is reported as the first-step (compile) time.
     python benchmarks/scaling.py --gpus 1 --layouts none         # eager and compiled, one GPU
     python benchmarks/scaling.py --worker --compile --profile out/   # + a kernel-time table
 
+Variants side by side: ``--compare`` runs the first layout and mode once per variant (driver
+options as ``key=value[,key=value]``, without the dashes), alternating over ``--rounds`` so that
+a drift of the card's clock reaches them all alike, and prints each against the first:
+
+    python benchmarks/scaling.py --gpus 1 --layouts none --model dit --modes compiled --rounds 2 \
+        --compare residual-impl=torch residual-impl=fused mlp-impl=torch
+
 ``--profile DIR`` writes per run the kernel time by kind and the top kernels
 (``profile_<run>.txt``), every kernel (``kernels_<run>.tsv``), a trace and the host's time.
 """
@@ -560,6 +567,10 @@ def worker(args) -> None:
             "variant": args.variant,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         }
+        if args.model == "dit":  # what ran (--compare's variants differ here)
+            result["impls"] = dict(
+                attn=args.attn_impl, attn_tiles=args.attn_tiles, mlp=args.mlp_impl, residual=args.residual_impl
+            )
         if compiled is not None:
             result["compile_stats"] = {k: v for k, v in compiled.stats().items() if k != "break_reasons"}
             result["compile_stats"]["enabled"] = compiled.enabled
@@ -723,6 +734,15 @@ def main(argv=None) -> None:
         default=0,
         help="worker: after this many seconds print every thread's stack and exit (0: off)",
     )
+    ap.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="driver: one run of the first layout and mode per variant (driver options without their "
+        "dashes, e.g. residual-impl=fused), each printed against the first",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="driver, --compare: the variants' runs, alternating")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -732,6 +752,9 @@ def main(argv=None) -> None:
     if not modes or set(modes) - {"eager", "compiled"}:
         ap.error(f"--modes {args.modes!r}: expected a comma list of eager, compiled")
     layouts = args.layouts.split(",") if args.layouts else ["none"] + (["ddp", "fsdp2"] if args.gpus > 1 else [])
+    if args.compare:
+        variants = {spec: _variant_args(ap, argv, spec) for spec in args.compare}
+        return compare_table(variants, layouts[0], modes[0], args)
     runs = []
     for layout in layouts:
         gpus = 1 if layout == "none" else args.gpus
@@ -798,6 +821,53 @@ def print_table(runs: list[dict], args) -> None:
             print(f"{'':>8} precompiled: {built}{failed}")
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))
+
+
+def _variant_args(ap: argparse.ArgumentParser, argv: list[str], spec: str) -> argparse.Namespace:
+    """The driver's arguments with a variant's options (``key=value,...``) after them (the later wins)."""
+    extra = []
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key or key.startswith("-"):
+            ap.error(f"--compare {spec!r}: expected key=value[,key=value] (driver options without their dashes)")
+        if key in ("compare", "rounds", "worker", "layouts", "modes", "mode", "gpus"):
+            ap.error(f"--compare {spec!r}: {key} is the comparison's own, not a variant's")
+        extra += [f"--{key}", value]
+    return ap.parse_args([*argv, *extra])
+
+
+def compare_table(variants: dict[str, argparse.Namespace], layout: str, mode: str, args) -> None:
+    """Each variant's run of one layout and mode, alternating over ``args.rounds``; each against the
+    first variant's mean samples/s."""
+    gpus = 1 if layout == "none" else args.gpus
+    runs: dict[str, list[dict]] = {spec: [] for spec in variants}
+    for _ in range(max(1, args.rounds)):
+        for spec, ns in variants.items():
+            try:
+                r = launch(layout, gpus, ns, compile=mode == "compiled")
+            except SystemExit as e:  # one failed variant does not lose the others' figures
+                print(e, file=sys.stderr, flush=True)
+                continue
+            runs[spec].append(dict(r, compared=spec))
+            if args.out:
+                args.out.write_text(json.dumps([x for rs in runs.values() for x in rs], indent=1))
+    done = {spec: rs for spec, rs in runs.items() if rs}
+    if not done:
+        raise SystemExit("no run succeeded")
+    first = next(iter(done.values()))
+    base = sum(r["samples_per_s"] for r in first) / len(first)
+    print(
+        f"{args.model}, {args.height}x{args.width}, batch {args.batch_per_gpu}/GPU, {args.precision}, {layout} x{gpus} "
+        f"{mode}, {first[0]['tflop_per_sample']:.2f} TFLOP/sample, {args.rounds} round(s) alternating"
+    )
+    width = max(len("variant"), *(len(s) for s in done))
+    print(f"{'variant':<{width}} {'samples/s (each run)':>24} {'mean':>7} {'x first':>7} {'MFU':>6} {'peak GiB':>8}")
+    for spec, rs in done.items():
+        mean = sum(r["samples_per_s"] for r in rs) / len(rs)
+        each = " ".join(f"{r['samples_per_s']:.2f}" for r in rs)
+        mfu = sum(r["mfu"] for r in rs) / len(rs) if all(r["mfu"] is not None for r in rs) else None
+        peak = max(r["peak_reserved_gib"] if r.get("cudagraphs") else r["peak_mem_gib"] for r in rs)
+        print(f"{spec:<{width}} {each:>24} {mean:>7.2f} {mean / base:>7.3f} {_pct(mfu):>6} {peak:>8.1f}")
 
 
 def domain_table(args) -> None:

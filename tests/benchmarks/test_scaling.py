@@ -42,3 +42,37 @@ def test_the_profile_sorts_kernels_by_kind():
         "something_new": "other",
     }
     assert {name: scaling.kernel_kind(name) for name in kinds} == kinds
+
+
+def test_compare_runs_each_variant_in_turn_and_prints_it_against_the_first(tmp_path):
+    """--compare on the CPU harness: the driver's real torchrun workers, one per variant, in order;
+    each ran what its variant names (the workers report the DiT's implementations)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "runs.json"
+    cmd = [sys.executable, "benchmarks/scaling.py", "--gpus", "1", "--layouts", "none", "--model", "dit"]
+    cmd += ["--modes", "eager", "--steps", "1", "--warmup", "0", "--device", "cpu", "--height", "16"]
+    cmd += ["--width", "24", "--batch-per-gpu", "1", "--attn-impl", "reference", "--out", str(out)]
+    cmd += ["--compare", "residual-impl=torch", "residual-impl=fused,mlp-impl=torch"]
+    proc = subprocess.run(cmd, cwd=scaling.REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    ran = [(r["compared"], r["impls"]["residual"], r["impls"]["mlp"]) for r in runs]
+    first, second = ("residual-impl=torch", "torch", "fused"), ("residual-impl=fused,mlp-impl=torch", "fused", "torch")
+    assert ran == [first, second]
+    table = proc.stdout.splitlines()
+    assert "none x1 eager" in table[0] and "1 round(s) alternating" in table[0], proc.stdout
+    assert table[2].split()[0] == first[0] and table[2].split()[3] == "1.000", proc.stdout
+    assert table[3].split()[0] == second[0] and float(table[3].split()[3]) > 0, proc.stdout
+
+
+def test_a_compare_variant_that_is_not_an_option_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        scaling.main(["--compare", "residual-impl=torch", "rounds=3"])
+    assert e.value.code == 2
+    assert "--compare 'rounds=3': rounds is the comparison's own, not a variant's" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        scaling.main(["--compare", "--residual-impl"])
+    assert e.value.code == 2
