@@ -111,6 +111,12 @@ if triton is not None:
         tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=in_cols)
 
 
+def _check_bias(h: Tensor, b: Tensor) -> None:
+    """``b`` one value per channel of ``h`` (the kernels read that many whatever its length)."""
+    if b.shape != h.shape[-1:]:
+        raise ValueError(f"a bias of shape {tuple(b.shape)} for {h.shape[-1]} channels")
+
+
 def _x_and_sigmoid_2z(h: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """The torch formulas' x = h + b and sigmoid(2z), in float32 (float64 for float64 inputs)."""
     dt = torch.float64 if h.dtype == torch.float64 else torch.float32
@@ -121,9 +127,10 @@ def _x_and_sigmoid_2z(h: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("stormscope::bias_gelu", mutates_args=())
 def bias_gelu(h: Tensor, b: Tensor) -> Tensor:
     """GELU(tanh) of ``h + b`` (``b`` over the last axis), in h's dtype; see the module doc."""
-    if not _kernels_take(h):
+    _check_bias(h, b)
+    if not _kernels_take(h):  # (contiguous, as the kernel's output and the fake say)
         x, s = _x_and_sigmoid_2z(h, b)
-        return (x * s).to(h.dtype)
+        return (x * s).to(h.dtype).contiguous()
     h2 = h.reshape(-1, h.shape[-1]).contiguous()
     m, n = h2.shape
     a = torch.empty_like(h2)
@@ -135,16 +142,18 @@ def bias_gelu(h: Tensor, b: Tensor) -> Tensor:
 
 @bias_gelu.register_fake
 def _(h: Tensor, b: Tensor) -> Tensor:
+    _check_bias(h, b)
     return torch.empty_like(h, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("stormscope::bias_gelu_backward", mutates_args=())
 def bias_gelu_backward(grad: Tensor, h: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """(gradient of ``h`` in h's dtype, of ``b`` in b's) for ``grad`` of ``bias_gelu(h, b)``."""
+    _check_bias(h, b)
     if not _kernels_take(h):
         x, s = _x_and_sigmoid_2z(h, b)
         d = grad.to(x.dtype) * (s + x * s * (1.0 - s) * (2.0 * _K) * (1.0 + 3.0 * _KAPPA * x * x))
-        return d.to(h.dtype), d.reshape(-1, h.shape[-1]).sum(0).to(b.dtype)
+        return d.to(h.dtype).contiguous(), d.reshape(-1, h.shape[-1]).sum(0).to(b.dtype)
     h2 = h.reshape(-1, h.shape[-1]).contiguous()
     gh = torch.empty_like(h2)
     sums = launch_backward(grad.reshape(h2.shape).contiguous(), h2, b.contiguous(), gh)
@@ -159,6 +168,8 @@ def launch_backward(
     ``benchmarks/mlp_gelu.py --sweep`` varies)."""
     m, n = h.shape
     bm, rb, bn, warps = tiles
+    if bm % rb:  # (else a program's last step runs into the next program's rows, summed twice)
+        raise ValueError(f"tiles {tiles}: {rb} rows a step do not divide {bm} rows a program")
     sums = torch.empty(triton.cdiv(m, bm), n, device=h.device, dtype=torch.float32)
     with device_of(h):
         _bias_gelu_bwd[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
@@ -169,6 +180,7 @@ def launch_backward(
 
 @bias_gelu_backward.register_fake
 def _(grad: Tensor, h: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    _check_bias(h, b)
     return torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(b)
 
 

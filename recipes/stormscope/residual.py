@@ -142,7 +142,9 @@ if triton is not None:
                 g += tl.where(mask, rstd[:, None] * (gx - mean_gx[:, None] - xhat * mean_gxx[:, None]), 0.0)
                 tl.store(dx_ptr + offs, g.to(dx_ptr.dtype.element_ty), mask=mask)
                 sum_gh += tl.sum(gh, 0)
-                sum_ghx += tl.sum(gh * xhat, 0)
+                # (masked: a padding row's x1 is gate * bias, constant over its channels when either
+                # is zero, as at init; with eps = 0 its xhat is NaN, and 0 * NaN is NaN)
+                sum_ghx += tl.sum(tl.where(mask, gh * xhat, 0.0), 0)
             tl.store(da_ptr + offs, (g * gate).to(da_ptr.dtype.element_ty), mask=mask)
             sum_g += tl.sum(g, 0)
             sum_ga += tl.sum(g * a, 0)
@@ -154,12 +156,15 @@ if triton is not None:
             tl.store(row + 3 * D, sum_ghx, mask=cols_in)
 
 
-def _shape(x: Tensor, mod: Tensor) -> tuple[int, int, int]:
-    """(samples B, tokens a sample T, channels D) of token tensor ``x`` and (B, D) terms ``mod``."""
+def _shape(x: Tensor, mod: Tensor, bias: Tensor) -> tuple[int, int, int]:
+    """(samples B, tokens a sample T, channels D) of token tensor ``x``, (B, D) terms ``mod`` and a
+    (D,) ``bias`` (checked: the kernels read D of its values whatever its length)."""
     b, d = x.shape[0], x.shape[-1]
     if mod.numel() != b * d:
         raise ValueError(f"a modulation term of {mod.numel()} elements for {b} samples of {d} channels")
-    return b, x.numel() // (b * d), d
+    if bias.shape != (d,):
+        raise ValueError(f"a bias of shape {tuple(bias.shape)} for {d} channels")
+    return b, x.numel() // (b * d) if b * d else 0, d
 
 
 def _flat(t: Tensor, *shape: int) -> Tensor:
@@ -170,18 +175,25 @@ def _stream_dtype(x: Tensor, a: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, a.dtype)
 
 
-def _float_dtype(a: Tensor, bias: Tensor, gate: Tensor) -> torch.dtype:
-    """The torch formulas' and the column sums' dtype: float32 (float64 for float64 inputs, which
-    run the torch formulas)."""
-    return torch.float64 if torch.float64 in (a.dtype, bias.dtype, gate.dtype) else torch.float32
+def _float_dtype(*tensors: Tensor) -> torch.dtype:
+    """The torch formulas' and the column sums' dtype for an op's inputs: float32, float64 where any
+    is float64 (those run the torch formulas)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _checked(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
+    bm, rb, _ = tiles
+    if bm % rb:  # (else a program's last step runs into the next program's tokens)
+        raise ValueError(f"tiles {tiles}: {rb} tokens a step do not divide {bm} tokens a program")
+    return tiles
 
 
 def launch_forward(x, a, bias, gate, shift, scale, eps, norm: bool, tiles=_FWD_TILES):
     """The forward kernel: (x1, h), h x1 itself without the norm."""
-    b, t, d = _shape(x, gate)
+    b, t, d = _shape(x, gate, bias)
     x1 = torch.empty(x.shape, device=x.device, dtype=_stream_dtype(x, a))
     h = torch.empty_like(x1) if norm else x1
-    bm, rb, warps = tiles
+    bm, rb, warps = _checked(tiles)
     mod = [_flat(m, b, d) for m in ((gate, shift, scale) if norm else (gate, gate, gate))]
     with device_of(x):
         _forward[(b, triton.cdiv(t, bm))](
@@ -196,8 +208,8 @@ def launch_backward(g, gh, x, a, bias, gate, scale, eps, tiles=_BWD_TILES):
     for ``residual_norm`` (``gh`` h's gradient) or ``gated_residual`` (``gh`` None: the stream's
     gradient is ``g`` and the sums' last two rows are left unwritten). ``tiles``: tokens a program,
     tokens a step, warps (what ``benchmarks/residual_norm.py --sweep`` varies)."""
-    b, t, d = _shape(a, gate)
-    bm, rb, warps = tiles
+    b, t, d = _shape(a, gate, bias)
+    bm, rb, warps = _checked(tiles)
     norm = gh is not None
     blocks = triton.cdiv(t, bm)
     dx = torch.empty(x.shape, device=x.device, dtype=_stream_dtype(x, a)) if norm else g
@@ -216,16 +228,15 @@ def launch_backward(g, gh, x, a, bias, gate, scale, eps, tiles=_BWD_TILES):
 # -- the torch formulas (CPU, float64): the kernels' computation as torch ops -------------------
 
 
-def _torch_gated(a: Tensor, bias: Tensor, gate: Tensor) -> tuple[Tensor, Tensor, torch.dtype]:
-    """(a + bias as (B, T, D), gate as (B, 1, D)) in float32 (float64 for float64 inputs)."""
-    dt = _float_dtype(a, bias, gate)
-    b, t, d = _shape(a, gate)
-    return a.reshape(b, t, d).to(dt) + bias.to(dt), gate.reshape(b, 1, d).to(dt), dt
+def _torch_gated(a: Tensor, bias: Tensor, gate: Tensor, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(a + bias as (B, T, D), gate as (B, 1, D)) in ``dt`` (``_float_dtype`` of the op's inputs)."""
+    b, t, d = _shape(a, gate, bias)
+    return a.reshape(b, t, d).to(dt) + bias.to(dt), gate.reshape(b, 1, d).to(dt)
 
 
-def _torch_stream(x: Tensor, a: Tensor, bias: Tensor, gate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(x1 rounded to the stream's dtype, a + bias, gate) in the formulas' float dtype."""
-    ab, gate_f, dt = _torch_gated(a, bias, gate)
+def _torch_stream(x: Tensor, a: Tensor, bias: Tensor, gate: Tensor, dt: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(x1 rounded to the stream's dtype, a + bias, gate) in ``dt``."""
+    ab, gate_f = _torch_gated(a, bias, gate, dt)
     x1 = (x.reshape(ab.shape).to(dt) + gate_f * ab).to(_stream_dtype(x, a)).to(dt)
     return x1, ab, gate_f
 
@@ -244,12 +255,13 @@ def gated_residual(x: Tensor, a: Tensor, bias: Tensor, gate: Tensor) -> Tensor:
     """``x + gate (a + bias)``, ``gate`` one row per sample; see the module doc."""
     if _kernels_take(x, a, bias, gate):
         return launch_forward(x, a, bias, gate, None, None, 0.0, norm=False)[0]
-    x1, _, _ = _torch_stream(x, a, bias, gate)
+    x1, _, _ = _torch_stream(x, a, bias, gate, _float_dtype(x, a, bias, gate))
     return x1.to(_stream_dtype(x, a)).reshape(x.shape)
 
 
 @gated_residual.register_fake
 def _(x, a, bias, gate):
+    _shape(x, gate, bias)
     return torch.empty(x.shape, device=x.device, dtype=_stream_dtype(x, a))
 
 
@@ -260,16 +272,16 @@ def gated_residual_backward(g: Tensor, a: Tensor, bias: Tensor, gate: Tensor) ->
     if _kernels_take(g, a, bias, gate):
         _, da, sums = launch_backward(g, None, None, a, bias, gate, None, 0.0)
         return da, sums[:, :, :2].sum(1)
-    ab, gate_f, _ = _torch_gated(a, bias, gate)
+    ab, gate_f = _torch_gated(a, bias, gate, _float_dtype(g, a, bias, gate))
     gf = g.reshape(ab.shape).to(ab.dtype)
     return (gf * gate_f).to(a.dtype).reshape(a.shape), torch.stack([gf.sum(1), (gf * ab).sum(1)], 1)
 
 
 @gated_residual_backward.register_fake
 def _(g, a, bias, gate):
-    b, _, d = _shape(a, gate)
+    b, _, d = _shape(a, gate, bias)
     return torch.empty_like(a, memory_format=torch.contiguous_format), a.new_empty(
-        b, 2, d, dtype=_float_dtype(a, bias, gate)
+        b, 2, d, dtype=_float_dtype(g, a, bias, gate)
     )
 
 
@@ -281,7 +293,7 @@ def residual_norm(
     ``eps``); see the module doc."""
     if _kernels_take(x, a, bias, gate, shift, scale):
         return launch_forward(x, a, bias, gate, shift, scale, eps, norm=True)
-    x1, _, _ = _torch_stream(x, a, bias, gate)
+    x1, _, _ = _torch_stream(x, a, bias, gate, _float_dtype(x, a, bias, gate, shift, scale))
     xhat, _ = _torch_normalised(x1, eps)
     b, _, d = x1.shape
     h = xhat * (1 + scale.reshape(b, 1, d).to(x1.dtype)) + shift.reshape(b, 1, d).to(x1.dtype)
@@ -291,6 +303,7 @@ def residual_norm(
 
 @residual_norm.register_fake
 def _(x, a, bias, gate, shift, scale, eps):
+    _shape(x, gate, bias)
     dtype = _stream_dtype(x, a)
     return torch.empty(x.shape, device=x.device, dtype=dtype), torch.empty(x.shape, device=x.device, dtype=dtype)
 
@@ -305,7 +318,7 @@ def residual_norm_backward(
     if _kernels_take(g, gh, x, a, bias, gate, scale):
         dx, da, sums = launch_backward(g, gh, x, a, bias, gate, scale, eps)
         return dx, da, sums.sum(1)
-    x1, ab, gate_f = _torch_stream(x, a, bias, gate)
+    x1, ab, gate_f = _torch_stream(x, a, bias, gate, _float_dtype(g, gh, x, a, bias, gate, scale))
     xhat, rstd = _torch_normalised(x1, eps)
     ghf = gh.reshape(x1.shape).to(x1.dtype)
     gx = ghf * (1 + scale.reshape(gate_f.shape).to(x1.dtype))
@@ -318,12 +331,12 @@ def residual_norm_backward(
 
 @residual_norm_backward.register_fake
 def _(g, gh, x, a, bias, gate, scale, eps):
-    b, _, d = _shape(a, gate)
+    b, _, d = _shape(a, gate, bias)
     dx = torch.empty(x.shape, device=x.device, dtype=_stream_dtype(x, a))
     return (
         dx,
         torch.empty_like(a, memory_format=torch.contiguous_format),
-        a.new_empty(b, 4, d, dtype=_float_dtype(a, bias, gate)),
+        a.new_empty(b, 4, d, dtype=_float_dtype(g, gh, x, a, bias, gate, scale)),
     )
 
 

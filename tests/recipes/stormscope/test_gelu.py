@@ -107,6 +107,8 @@ def test_other_backward_tiles_compute_the_same_gradient(device):
     assert sums.shape == (7, 300)
     assert torch.equal(gh, want_gh)
     torch.testing.assert_close(sums.sum(0), want_gb, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"tiles \(32, 64, 64, 2\): 64 rows a step do not divide 32"):
+        gelu.launch_backward(grad, h, b, gh, (32, 64, 64, 2))  # (a program's steps would overlap the next's)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -115,6 +117,28 @@ def test_the_bias_gradient_is_the_same_bits_every_time(device):
     first = gelu.bias_gelu_backward(grad, h, b.float())
     again = gelu.bias_gelu_backward(grad, h, b.float())
     assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
+def test_a_strided_input_compiles_as_it_runs_eagerly():
+    # the op's output is contiguous on every path, as its fake says (inductor checks the strides)
+    torch._dynamo.reset()
+    h, b = torch.randn(40, 7), torch.randn(40)
+    leaf = h.t().requires_grad_()  # (7, 40), strides (1, 7)
+    compiled = torch.compile(gelu.bias_gelu, fullgraph=True)
+    y = compiled(leaf, b)
+    torch.testing.assert_close(y, gelu.bias_gelu(leaf, b))
+    assert y.is_contiguous()
+    y.sum().backward()
+    assert leaf.grad.shape == (7, 40)
+
+
+def test_a_bias_of_another_length_is_refused():
+    # (on CPU the torch formulas; under TRITON_INTERPRET=1 the kernels)
+    h, b, grad = _inputs((6, 8), torch.float32)
+    with pytest.raises(ValueError, match=r"a bias of shape \(5,\) for 8 channels"):
+        gelu.bias_gelu(h, b[:5].float())
+    with pytest.raises(ValueError, match=r"a bias of shape \(5,\) for 8 channels"):
+        gelu.bias_gelu_backward(grad, h, b[:5].float())
 
 
 def test_a_compiled_mlp_calls_the_ops_without_a_graph_break():

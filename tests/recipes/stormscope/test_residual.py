@@ -7,6 +7,8 @@ README's suite runs the rest (the torch formulas, which the CPU model uses).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,17 +141,80 @@ def test_the_gradients_are_the_same_bits_every_time(device):
 def test_a_compiled_block_calls_the_ops_without_a_graph_break():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    block = DiTBlock(16, 2, 4.0, 3, rope=False, impl="reference")
+    block = DiTBlock(16, 2, 4.0, 3, rope=False, impl="reference", residual_impl="fused")
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.2)
     counts = torch._dynamo.utils.counters
     counts.clear()
-    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
     x, c = torch.randn(2, 4, 5, 16, requires_grad=True), torch.randn(2, 16)
     y = compiled(x, c)
     y.sum().backward()
     torch.testing.assert_close(y, block(x, c))
-    assert not counts["graph_break"]
+    assert not counts["graph_break"] and len(graphs) == 1
+    called = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert {"stormscope.residual_norm.default", "stormscope.gated_residual.default"} <= called, called
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_padding_tokens_of_a_constant_stream_leave_the_sums_finite_at_eps_0(device):
+    # A program's padding rows (tokens past the sample's) have x1 = gate * bias, constant over the
+    # channels where bias is zero (as at init): with eps = 0 their normalised x1 is 0 * inf
+    x, a, bias, mod = _inputs((2, 130, 24), torch.float32, device, seed=4)
+    bias.zero_()
+    gate, shift, scale = mod.chunk(3, -1)
+    leaves = [t.detach().requires_grad_() for t in (x, a, bias, gate, shift, scale)]
+    x1, h = residual.residual_norm(*leaves, 0.0)
+    (x1.sum() + h.square().sum()).backward()
+    for t in leaves:
+        assert torch.isfinite(t.grad).all()
+
+
+def test_a_float64_stream_is_computed_in_float64_whatever_the_other_inputs():
+    x, a, bias, mod = _inputs((2, 3, 8), torch.float32)
+    x = x.double() + 1e-10  # below float32's resolution at these magnitudes
+    gate, shift, scale = mod.chunk(3, -1)
+    want = x + gate.double() * (a.double() + bias.double())
+    assert torch.equal(residual.gated_residual(x, a, bias, gate), want)
+    x1, _ = residual.residual_norm(x, a, bias, gate, shift, scale, EPS)
+    assert x1.dtype == torch.float64 and torch.equal(x1, want)
+    dx, _, sums = residual.residual_norm_backward(x, x, x, a, bias, gate, scale, EPS)
+    assert dx.dtype == sums.dtype == torch.float64
+
+
+def test_an_empty_batch_gives_empty_outputs_and_gradients():
+    x, a, bias, mod = _inputs((0, 4, 8), torch.float32)
+    gate, shift, scale = mod.chunk(3, -1)
+    leaves = [t.detach().requires_grad_() for t in (x, a, bias, gate, shift, scale)]
+    x1, h = residual.residual_norm(*leaves, EPS)
+    y = residual.gated_residual(h, x1, leaves[2], leaves[3])
+    assert x1.shape == h.shape == y.shape == (0, 4, 8)
+    y.sum().backward()
+    assert leaves[2].grad.shape == (8,) and not leaves[2].grad.any()
+
+
+def test_a_bias_of_another_length_is_refused_before_a_kernel_reads_past_it():
+    # (on CPU the torch formulas; under TRITON_INTERPRET=1 the kernels)
+    x, a, bias, mod = _inputs((2, 3, 8), torch.float32)
+    gate, shift, scale = mod.chunk(3, -1)
+    for wrong in (bias[:5], bias[:, None]):
+        with pytest.raises(ValueError, match=re.escape(f"a bias of shape {tuple(wrong.shape)} for 8 channels")):
+            residual.gated_residual(x, a, wrong, gate)
+        with pytest.raises(ValueError, match=r"a bias of shape .* for 8 channels"):
+            residual.residual_norm(x, a, wrong, gate, shift, scale, EPS)
+
+
+def test_backward_tiles_whose_step_does_not_divide_a_program_are_refused():
+    x, a, bias, mod = _inputs((1, 300, 8), torch.float32)
+    gate, _, scale = mod.chunk(3, -1)
+    with pytest.raises(ValueError, match=r"tiles \(128, 3, 8\): 3 tokens a step do not divide 128"):
+        residual.launch_backward(x, x, x, a, bias, gate, scale, EPS, tiles=(128, 3, 8))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
