@@ -144,6 +144,9 @@ def report(kernel, args, kw, arch: int) -> dict:
         # approximation, I2F.RP, then fix-ups: about 25 instructions each)
         "loop_divisions": None if loop is None else sum("I2F" in i and ".RP" in i for i in loop),
         "shared_bytes": compiled.metadata.shared,
+        # ptxas's advisory C7515: it serialised the warp-group products (an instruction other than a
+        # product writes to their accumulators within a pipeline stage), each waited for at once
+        "wgmma_serialized": "C7515" in out.stderr,
         "atomics": len(re.findall(r"\b(?:red|atom)\.global", compiled.asm["ptx"])),  # /atomic's dQ adds, by threads
         "bulk_reductions": compiled.asm["ptx"].count("cp.reduce.async.bulk"),  # ... by the copy engine (/tma)
         "async_loads": ttgir.count("async_copy_global_to_local"),  # cp.async, pipelined
@@ -331,11 +334,11 @@ def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None) -> list:
     try:
         with recorded_launches() as calls:
             rows, cols = grid
-            # the DiT's layout: q, k, v as views of one (B, rows, cols, 3, heads, d) projection
+            # as the DiT calls them: one (B, rows, cols, 3, heads, d) projection whole, its bias's
+            # gradient summed by the backward kernels
             qkv = torch.empty(batch, rows, cols, 3, heads, head_dim, dtype=dtype)
-            q, k, v = qkv.permute(3, 0, 4, 1, 2, 5)
-            out, lse = fused_natten.natten_forward(q, k, v, kernel, 0, 0, rows)
-            fused_natten.natten_backward(torch.empty_like(out), q, k, v, out, lse, kernel, 0, 0, rows)
+            out, lse = fused_natten.natten_packed_forward(qkv, None, kernel)
+            fused_natten.natten_packed_backward(torch.empty_like(out), qkv, out, lse, kernel, True)
     finally:
         fused_natten.TILES.clear()
         fused_natten.TILES.update(saved)
@@ -399,6 +402,7 @@ def main(argv=None) -> None:
                 + f"{mean:.1f} instructions/score{paths}"
                 + (f", loop {r['loop_sass']} SASS a thread" if r["loop_sass"] else "")
                 + (f" ({r['loop_divisions']} software divisions)" if r["loop_divisions"] else "")
+                + (", ptxas SERIALISED its warp-group products (C7515)" if r["wgmma_serialized"] else "")
             )
 
 

@@ -190,10 +190,12 @@ class NeighbourhoodAttention(nn.Module):
             return x
         return torch.where(invalid, self.mask_token.to(x.dtype), x)
 
-    def _projection(self, x: torch.Tensor) -> torch.Tensor:
-        """The qkv projection as (B, R, W, 3, heads, head_dim)."""
+    def _projection(self, x: torch.Tensor, detached_bias: bool = False) -> torch.Tensor:
+        """The qkv projection as (B, R, W, 3, heads, head_dim); ``detached_bias``: its bias added
+        detached (its gradient then comes from whoever is handed the bias)."""
         b, r, w, _ = x.shape
-        return self.qkv(x).view(b, r, w, 3, self.num_heads, self.head_dim)
+        bias = self.qkv.bias.detach() if detached_bias else self.qkv.bias
+        return F.linear(x, self.qkv.weight, bias).view(b, r, w, 3, self.num_heads, self.head_dim)
 
     def project(self, x: torch.Tensor, row_offset: int = 0):
         """q, k, v of shape (B, heads, R, W, head_dim), rope applied at global rows row_offset..."""
@@ -246,11 +248,13 @@ class NeighbourhoodAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, out_bias: bool = True) -> torch.Tensor:
         """The attention's output; without the projection's bias when ``out_bias`` is false."""
-        qkv = self._projection(x)
-        if self.rope is None and natten.takes_packed(self.impl, qkv):
-            # the fused kernels take the projection whole: its gradient comes back as one tensor
-            return self._merge(natten.packed_neighbourhood_attention(qkv, self.kernel), out_bias)
-        return self.attend(*self._split(qkv), out_bias=out_bias)
+        if self.rope is None and natten.takes_packed(self.impl, x):
+            # (x: the projection's device, and a dtype the kernels take exactly where they take its)
+            # The fused kernels take the projection whole: its gradient comes back as one tensor,
+            # and its bias's gradient (the sum of that over tokens) from their accumulators.
+            qkv = self._projection(x, detached_bias=True)
+            return self._merge(natten.packed_neighbourhood_attention(qkv, self.kernel, self.qkv.bias), out_bias)
+        return self.attend(*self._split(self._projection(x)), out_bias=out_bias)
 
 
 class Mlp(nn.Module):

@@ -326,6 +326,22 @@ if triton is not None:
             tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _column_sums(ptr, base, offs, valid, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
+        """Store at ``ptr`` the float32 sums over the ``valid`` tokens of the (tokens, head_dim) tile
+        this program has just stored at ``base`` + ``offs`` (``_store``'s): its share of the projection
+        bias's gradient. Read back (from L2) rather than summed from the float32 accumulators: any
+        instruction on those after the loop made ptxas serialize the loop's warp-group products
+        (its advisory C7515; 8% more instructions in the dK/dV loop). (A padding token's row is
+        never stored, and loads as zeros: in registers it need not be, as a tile inside every
+        window skips the window test that zeroes a padding key's scores.)"""
+        tl.debug_barrier()  # every thread's stores of the tile before any thread's loads
+        x0, x1 = _load(base, offs, valid, D, D0, D1)
+        d0 = tl.arange(0, D0)
+        tl.store(ptr + d0, tl.sum(x0.to(tl.float32), 0), mask=d0 < D)
+        if D1 > 0:
+            tl.store(ptr + D0 + tl.arange(0, D1), tl.sum(x1.to(tl.float32), 0))
+
+    @triton.jit
     def _products(a0, a1, b0, b1, D1: tl.constexpr, PRECISION: tl.constexpr):
         """a @ b.T over the head dimension, from the two column blocks."""
         s = tl.dot(a0, tl.trans(b0), input_precision=PRECISION)
@@ -517,16 +533,17 @@ if triton is not None:
 
     @triton.jit
     def _fna_backward_dq(
-        q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, o_ptr, lse_ptr, stats_ptr, dq_ptr,
+        q_ptr, k_src, k_src1, v_src, v_src1, do_ptr, o_ptr, lse_ptr, stats_ptr, dq_ptr, sums_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         sd_b, sd_h, sd_r, sd_c, so_b, so_h, so_r, so_c, sl_b, sl_h, sl_r, sl_c,
         st_b, st_h, st_r, st_c, sg_b, sg_h, sg_r, sg_c,
         hq, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
-        FULL: tl.constexpr, DP: tl.constexpr,
+        FULL: tl.constexpr, DP: tl.constexpr, SUMS: tl.constexpr,
     ):  # fmt: skip
         """dQ of one query tile: the forward's loop, recomputing the probabilities from the lse.
+        With SUMS also its column sums, at ``sums_ptr`` (B, heads, tiles, D) (``_column_sums``).
         First its queries' (lse, delta) records, as ``_fna_delta`` writes them (the dK/dV kernel,
         launched after this one, reads them): a prologue on what this program reads anyway,
         instead of a kernel's pass over dO and O that divided by the grid's width per token."""
@@ -566,22 +583,26 @@ if triton is not None:
         dq_base = dq_ptr + b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
         offs = _offsets(rows, cols, sg_r, sg_c, WIDE)
         _store(dq_base, offs, valid, dq0 * sm_scale, dq1 * sm_scale, D, D0, D1, False)
+        if SUMS:
+            tile = (b * tl.num_programs(1) + h).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+            _column_sums(sums_ptr + tile * D, dq_base, offs, valid, D, D0, D1)
 
     @triton.jit
     def _fna_backward_dkdv(
-        q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, stats_ptr, dk_ptr, dv_ptr, dq_src, dq_src1,
+        q_src, q_src1, k_ptr, v_ptr, do_src, do_src1, stats_ptr, dk_ptr, dv_ptr, dq_src, dq_src1, sums_ptr,
         sq_b, sq_h, sq_r, sq_c, sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c,
         sd_b, sd_h, sd_r, sd_c, st_b, st_h, st_r, st_c, sg_b, sg_h, sg_r, sg_c, sdq_b, sdq_h, sdq_r, sdq_c,
         hq, hk, w, q_off, kv_off, grid_rows, half, span_r, span_c, qk_scale, sm_scale,
         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, QH: tl.constexpr, QW: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
-        FULL: tl.constexpr, ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
+        FULL: tl.constexpr, ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr, SUMS: tl.constexpr,
     ):  # fmt: skip
         """dK and dV of one key tile (local rows of the band), over the band's query tiles whose
         windows reach it; scores computed transposed, (keys, queries). dK and dV share strides.
         With ATOMIC, each query tile's share of dQ is also added to dQ (float32, zeroed): by the
         copy engine's bulk reductions through ``dq_src``/``dq_src1`` (descriptors) with DQ_TMA,
-        else by each thread's atomic adds through the pointer ``dq_src``."""
+        else by each thread's atomic adds through the pointer ``dq_src``. With SUMS also the column
+        sums of dK and of dV, at ``sums_ptr`` (B, heads, tiles, 2, D) (``_column_sums``)."""
         b, h = tl.program_id(2), tl.program_id(1)
         tiles_w = tl.cdiv(w, KW)
         r0, c0 = (tl.program_id(0) // tiles_w) * KH, (tl.program_id(0) % tiles_w) * KW
@@ -673,6 +694,10 @@ if triton is not None:
         bh_g = b.to(tl.int64) * sg_b + h.to(tl.int64) * sg_h
         _store(dk_ptr + bh_g, offs, k_valid, dk0 * sm_scale, dk1 * sm_scale, D, D0, D1, False)
         _store(dv_ptr + bh_g, offs, k_valid, dv0, dv1, D, D0, D1, False)
+        if SUMS:
+            tile = (b * tl.num_programs(1) + h).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+            _column_sums(sums_ptr + 2 * tile * D, dk_ptr + bh_g, offs, k_valid, D, D0, D1)
+            _column_sums(sums_ptr + (2 * tile + 1) * D, dv_ptr + bh_g, offs, k_valid, D, D0, D1)
 
 
 # -- launches -------------------------------------------------------------------------------------
@@ -875,10 +900,12 @@ def natten_backward(
 
 def _backward_into(
     dq_out: Tensor, dk: Tensor, dv: Tensor, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int,
+    kernel: int, q_row_offset: int, kv_row_offset: int, grid_rows: int, sums: Tensor | None = None,
 ) -> None:  # fmt: skip
     """The backward kernels' launches, writing dQ, dK, dV into the tensors given (of q's and k's
-    shapes, any strides with a unit head stride; dK and dV with the same strides)."""
+    shapes, any strides with a unit head stride; dK and dV with the same strides), and with
+    ``sums`` (float32, (3, heads, d)) the sums over tokens of dQ, dK and dV into it: the kernels
+    sum what they hold before storing it, a row of partial sums a program."""
     g = _geometry(q, k, kernel, q_row_offset, kv_row_offset, grid_rows)
     dkdv_tiles = _tiles("dkdv", q)
     atomic = _atomic_dq(dkdv_tiles)
@@ -895,6 +922,7 @@ def _backward_into(
     inputs = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad))
     common = (*inputs, *_record_strides(stats))
     wide = _wide(grad, q, k, v, out, dq, dk, lse, stats)
+    d = q.shape[-1]
     if atomic:  # (no dQ kernel to sum rowsum(dO * O) on the way: a kernel of its own)
         _row_sums(grad, out, lse, stats, wide)
     else:
@@ -902,14 +930,17 @@ def _backward_into(
         grid = (triton.cdiv(g.hq, tiles.qh) * triton.cdiv(g.w, tiles.qw), g.heads, b)
         tma = _use_tma(tiles, k, v)
         sources = (*_sources(k, tiles.kh, tiles.kw, tiles, tma), *_sources(v, tiles.kh, tiles.kw, tiles, tma))
+        q_sums = stats if sums is None else q.new_empty((b, g.heads, grid[0], d), dtype=torch.float32)
         with device_of(q):
             _fna_backward_dq[grid](
-                q, *sources, grad, out, lse, stats, dq, *inputs, *_strides(out), *_strides(lse),
+                q, *sources, grad, out, lse, stats, dq, q_sums, *inputs, *_strides(out), *_strides(lse),
                 *_record_strides(stats), *_strides(dq), *scalars, WIDE=wide, TMA=tma, DP=_padded_head(q),
-                **_constants(q, tiles),
+                SUMS=sums is not None, **_constants(q, tiles),
             )  # fmt: skip
     tiles = dkdv_tiles
     grid = (triton.cdiv(g.hk, tiles.kh) * triton.cdiv(g.w, tiles.kw), g.heads, b)
+    # (without sums the kernels take ``stats`` where the partial sums would go, and write nothing there)
+    kv_sums = stats if sums is None else q.new_empty((b, g.heads, grid[0], 2, d), dtype=torch.float32)
     tma = _use_tma(tiles, q, grad)
     q_sources, grad_sources = (_sources(t, tiles.qh, tiles.qw, tiles, tma) for t in (q, grad))
     # dQ's shares through the copy engine's bulk reductions where the loads go through it too (the
@@ -917,12 +948,15 @@ def _backward_into(
     dq_tma = atomic and tma and not _interpreted() and _tma_aligned(dq)
     with device_of(q):
         _fna_backward_dkdv[grid](
-            *q_sources, k, v, *grad_sources, stats, dk, dv, *_sources(dq, tiles.qh, tiles.qw, tiles, dq_tma),
+            *q_sources, k, v, *grad_sources, stats, dk, dv, *_sources(dq, tiles.qh, tiles.qw, tiles, dq_tma), kv_sums,
             *common, *_strides(dk), *_strides(dq), scalars[0], g.hk, *scalars[1:],
-            WIDE=wide, TMA=tma, ATOMIC=atomic, DQ_TMA=dq_tma, **_constants(q, tiles),
+            WIDE=wide, TMA=tma, ATOMIC=atomic, DQ_TMA=dq_tma, SUMS=sums is not None, **_constants(q, tiles),
         )  # fmt: skip
     if dq is not dq_out:
         dq_out.copy_(dq)
+    if sums is not None:  # (atomic: dQ is whole only now, and summed here)
+        sums[0] = dq.sum((0, 2, 3), dtype=torch.float32) if atomic else q_sums.sum((0, 2))
+        sums[1:] = kv_sums.sum((0, 2)).transpose(0, 1)
 
 
 @natten_backward.register_fake
@@ -957,46 +991,58 @@ def _heads(qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @torch.library.custom_op("stormscope::natten_packed_forward", mutates_args=())
-def natten_packed_forward(qkv: Tensor, kernel: int) -> tuple[Tensor, Tensor]:
+def natten_packed_forward(qkv: Tensor, bias: Tensor | None, kernel: int) -> tuple[Tensor, Tensor]:
     """``natten_forward`` of the q, k, v a (B, rows, cols, 3, heads, d) projection holds, over
     its whole grid: what the kernels read and compute is the same, but the backward below hands
     back the projection's gradient as one tensor, where three would be stacked into it by one
-    more pass over 3 x the layer's activations (3.9 ms of the DiT preset's step on an H100)."""
+    more pass over 3 x the layer's activations (3.9 ms of the DiT preset's step on an H100).
+
+    ``bias``: the projection's bias (3 x heads x d), already in ``qkv`` (the product's epilogue
+    added it, detached) and not read here: its gradient, the sum over tokens of qkv's, comes from
+    this op's backward, whose kernels sum what they hold (no pass over the projection's gradient
+    of its own: 0.38 GB a DiT block at the preset's size)."""
     qkv = _unit_head_stride(qkv)
     return _forward(*_heads(qkv), kernel, 0, 0, qkv.shape[1])
 
 
 @natten_packed_forward.register_fake
-def _(qkv, kernel):
+def _(qkv, bias, kernel):
     return _forward_outputs(_heads(qkv)[0])
 
 
 @torch.library.custom_op("stormscope::natten_packed_backward", mutates_args=())
-def natten_packed_backward(grad: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, kernel: int) -> Tensor:
+def natten_packed_backward(
+    grad: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, kernel: int, sums: bool
+) -> tuple[Tensor, Tensor]:
     """The projection's gradient (B, rows, cols, 3, heads, d): the kernels write dQ, dK and dV
-    into their places in it."""
+    into their places in it; with ``sums``, also its sums over tokens (3, heads, d; float32), else
+    an empty tensor."""
     grad, qkv, out = (_unit_head_stride(t) for t in (grad, qkv, out))
     dqkv = qkv.new_empty(qkv.shape)
-    _backward_into(*_heads(dqkv), grad, *_heads(qkv), out, lse, kernel, 0, 0, qkv.shape[1])
-    return dqkv
+    col = qkv.new_empty(qkv.shape[3:] if sums else (0,), dtype=torch.float32)
+    _backward_into(*_heads(dqkv), grad, *_heads(qkv), out, lse, kernel, 0, 0, qkv.shape[1], col if sums else None)
+    return dqkv, col
 
 
 @natten_packed_backward.register_fake
-def _(grad, qkv, out, lse, kernel):
-    return qkv.new_empty(qkv.shape)
+def _(grad, qkv, out, lse, kernel, sums):
+    return qkv.new_empty(qkv.shape), qkv.new_empty(qkv.shape[3:] if sums else (0,), dtype=torch.float32)
 
 
 def _setup_packed(ctx, inputs, output):
-    qkv, kernel = inputs
+    qkv, bias, kernel = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(qkv, out, lse)
     ctx.kernel = kernel
+    ctx.bias = None if bias is None else (bias.shape, bias.dtype)
 
 
 def _backward_packed(ctx, grad, _grad_lse):
     qkv, out, lse = ctx.saved_tensors
-    return natten_packed_backward(grad, qkv, out, lse, ctx.kernel), None
+    sums = ctx.bias is not None and ctx.needs_input_grad[1]
+    dqkv, col = natten_packed_backward(grad, qkv, out, lse, ctx.kernel, sums)
+    return dqkv, col.reshape(ctx.bias[0]).to(ctx.bias[1]) if sums else None, None
 
 
 natten_packed_forward.register_autograd(_backward_packed, setup_context=_setup_packed)
@@ -1013,8 +1059,9 @@ def fused_neighbourhood_attention(
     return natten_forward(q, k, v, kernel, q_row_offset, kv_row_offset, grid_rows)[0]
 
 
-def fused_packed_attention(qkv: Tensor, kernel: int) -> Tensor:
+def fused_packed_attention(qkv: Tensor, kernel: int, bias: Tensor | None = None) -> Tensor:
     """Neighbourhood attention over the whole grid of the q, k, v in one (B, rows, cols, 3, heads,
     d) projection (checked by the caller, ``natten``): the output as above, and in backward the
-    projection's gradient as one tensor."""
-    return natten_packed_forward(qkv, kernel)[0]
+    projection's gradient as one tensor; with ``bias`` (the projection's, added to ``qkv``
+    detached) its gradient too (``natten_packed_forward``)."""
+    return natten_packed_forward(qkv, bias, kernel)[0]

@@ -587,15 +587,19 @@ def takes_packed(impl: str, qkv: torch.Tensor) -> bool:
     return resolved_impl(impl, qkv) == "fused" and fused_natten.available(qkv)
 
 
-def packed_neighbourhood_attention(qkv: torch.Tensor, kernel: int) -> torch.Tensor:
+def packed_neighbourhood_attention(qkv: torch.Tensor, kernel: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Neighbourhood attention over the whole grid of the q, k, v in ``qkv`` (B, rows, cols, 3,
     heads, d), as the projection leaves it, on the fused kernels (``takes_packed``): the output
     is ``neighbourhood_attention``'s, and backward writes the projection's gradient as one tensor
-    (no pass stacking dQ, dK and dV into it)."""
+    (no pass stacking dQ, dK and dV into it). ``bias``: the projection's bias (3 x heads x d
+    values), added to ``qkv`` detached; its gradient comes from the attention's backward kernels,
+    which sum the projection's gradient on the way (no pass over it of its own)."""
     check_kernel(kernel)
     if qkv.dim() != 6 or qkv.shape[3] != 3:
         raise ValueError(f"expected qkv as (B, rows, cols, 3, heads, head_dim); got {tuple(qkv.shape)}")
-    return fused_natten.fused_packed_attention(qkv, kernel)
+    if bias is not None and bias.numel() != qkv.shape[3:].numel():
+        raise ValueError(f"a bias of {bias.numel()} values for a projection of {qkv.shape[3:].numel()}")
+    return fused_natten.fused_packed_attention(qkv, kernel, bias)
 
 
 def neighbourhood_attention(

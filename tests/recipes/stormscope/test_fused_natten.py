@@ -341,10 +341,44 @@ def test_the_packed_ops_fake_and_autograd_registrations_pass_torchs_checks(devic
     registration and the op's behaviour under dynamo agree with what the op computes."""
     g = torch.Generator().manual_seed(4)
     qkv = torch.randn(1, 6, 7, 3, 2, 16, generator=g).to(device).requires_grad_()
-    torch.library.opcheck(fused_natten.natten_packed_forward, (qkv, 3))
-    out, lse = fused_natten.natten_packed_forward(qkv.detach(), 3)
+    bias = torch.randn(3 * 2 * 16, generator=g).to(device).requires_grad_()
+    torch.library.opcheck(fused_natten.natten_packed_forward, (qkv, None, 3))
+    torch.library.opcheck(fused_natten.natten_packed_forward, (qkv, bias, 3))
+    out, lse = fused_natten.natten_packed_forward(qkv.detach(), None, 3)
     grad = torch.randn(out.shape, generator=g).to(device)
-    torch.library.opcheck(fused_natten.natten_packed_backward, (grad, qkv.detach(), out, lse, 3))
+    for sums in (False, True):
+        torch.library.opcheck(fused_natten.natten_packed_backward, (grad, qkv.detach(), out, lse, 3, sums))
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", ["8x8/8x8/4/2", "8x8/8x8/4/2/atomic", "4x8/8x4/4/2/pad/tma/full"])
+def test_the_projection_bias_learns_from_the_kernels_column_sums(device, tiles, monkeypatch):
+    """A bias added to the projection detached and handed to the op gets autograd's gradient of
+    the bias added as usual (the sum over tokens of qkv's gradient), from the backward kernels'
+    per-program sums; on a ragged grid (padding queries and keys in the edge tiles, and with /full
+    tiles inside every window that skip the window test), with dQ by atomic adds too."""
+    _set_fp32_tiles(monkeypatch, tiles, device)
+    b, rows, cols, heads, dim = 2, 9, 13, 2, 48
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(b, rows, cols, 3, heads, dim, generator=g).to(device)
+    bias0 = torch.randn(3, heads, dim, generator=g).to(device)
+    dy = torch.randn(b, heads, rows, cols, dim, generator=g).to(device)
+    grads = []
+    for packed in (False, True):
+        x, bias = base.clone().requires_grad_(), bias0.clone().reshape(-1).requires_grad_()
+        if packed:
+            out = natten.packed_neighbourhood_attention(x + bias.detach().view(3, heads, dim), 5, bias)
+        else:
+            qkv = x + bias.view(3, heads, dim)
+            out = fused_natten.fused_neighbourhood_attention(*qkv.permute(3, 0, 4, 1, 2, 5), 5, grid_rows=rows)
+        grads.append(torch.autograd.grad(out, (x, bias), dy))
+    (want_x, want_b), (got_x, got_b) = grads
+    torch.testing.assert_close(got_x, want_x, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got_b, want_b, rtol=1e-5, atol=1e-5)
+    assert got_b.abs().max() > 1  # (a gradient, not zeros)
+    with pytest.raises(ValueError, match="a bias of 95 values for a projection of 288"):
+        natten.packed_neighbourhood_attention(base, 5, bias0.reshape(-1)[:95])
 
 
 @needs_kernels
@@ -415,6 +449,29 @@ def test_atomic_dq_is_one_backward_kernel_and_deterministic_algorithms_keep_two(
         torch.use_deterministic_algorithms(False)
     assert launched == ["_fna_backward_dq", "_fna_backward_dkdv"]  # (rowsum(dO * O) in the dQ kernel)
     _close(two, want, atol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dit_block_on_the_kernels_trains_as_on_the_reference_its_qkv_bias_included(device):
+    # On the fused kernels the block adds qkv's bias detached and its gradient comes from the
+    # attention backward's column sums: every gradient as with the reference attention
+    torch.manual_seed(0)
+    blocks = [DiTBlock(96, 2, 4.0, 5, rope=False, impl=impl).to(device) for impl in ("reference", "fused")]
+    with torch.no_grad():
+        for p in blocks[0].parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    blocks[1].load_state_dict(blocks[0].state_dict())
+    x = torch.randn(2, 9, 12, 96, device=device, requires_grad=True)
+    c = torch.randn(2, 96, device=device)
+    (want, want_grads), (got, got_grads) = (
+        (out, torch.autograd.grad(out.square().sum(), [x, *b.parameters()])) for b in blocks for out in [b(x, c)]
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    names = ["x", *(n for n, _ in blocks[0].named_parameters())]
+    for name, a, b in zip(names, got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+    assert want_grads[names.index("attn.qkv.bias")].abs().max() > 0.1  # (a gradient to compare)
 
 
 @needs_kernels
@@ -659,6 +716,7 @@ def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_co
         r = kernel_build.report(kernel, args, kw, 90)
         loads = r["tma_loads"] if t.tma else r["async_loads"]
         assert loads > 0 and r["spill_bytes"] == 0, r  # K/V (or Q/dO) loads pipelined
+        assert not r["wgmma_serialized"], r  # (the bias's column sums once did that to dK/dV's loop)
         assert r["loop_local_accesses"] in (0, None), r  # (None: this Triton ships no nvdisasm)
         if dtype == torch.bfloat16:
             assert r["tensor_core"] == "wgmma", r
