@@ -323,10 +323,11 @@ def parse_tiles(text: str) -> fused_natten.Tiles:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None) -> list:
+def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None, packed: bool = True) -> list:
     """The recorded launches of one forward and backward at this size (``tiles`` for the three
     tiled kernels; with ``/atomic`` dK/dV tiles the backward's delta kernel is among them, else
-    the dQ kernel sums rowsum(dO * O) itself)."""
+    the dQ kernel sums rowsum(dO * O) itself); ``packed``: as the DiT's whole grid calls them (the
+    projection's bias gradient summed by the backward kernels), else on q, k, v views (rope, bands)."""
     saved, saved_fp32 = dict(fused_natten.TILES), fused_natten.TILES_FP32
     if tiles is not None:
         fused_natten.TILES.update(fwd=tiles, dq=tiles, dkdv=tiles)
@@ -337,8 +338,13 @@ def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None) -> list:
             # as the DiT calls them: one (B, rows, cols, 3, heads, d) projection whole, its bias's
             # gradient summed by the backward kernels
             qkv = torch.empty(batch, rows, cols, 3, heads, head_dim, dtype=dtype)
-            out, lse = fused_natten.natten_packed_forward(qkv, None, kernel)
-            fused_natten.natten_packed_backward(torch.empty_like(out), qkv, out, lse, kernel, True)
+            if packed:
+                out, lse = fused_natten.natten_packed_forward(qkv, None, kernel)
+                fused_natten.natten_packed_backward(torch.empty_like(out), qkv, out, lse, kernel, True)
+            else:
+                q, k, v = qkv.permute(3, 0, 4, 1, 2, 5)
+                out, lse = fused_natten.natten_forward(q, k, v, kernel, 0, 0, rows)
+                fused_natten.natten_backward(torch.empty_like(out), q, k, v, out, lse, kernel, 0, 0, rows)
     finally:
         fused_natten.TILES.clear()
         fused_natten.TILES.update(saved)

@@ -730,6 +730,25 @@ def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_co
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
 @pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
+def test_the_bias_sums_leave_the_backward_loops_as_they_are():
+    # The packed path's backward kernels also sum their stored tiles for qkv's bias; the views'
+    # (rope, bands) do not. Summed from the accumulators, that serialised dK/dV's warp-group
+    # products (ptxas C7515) and lengthened its loop by 8%: the loops must be the same code.
+    from benchmarks import kernel_build
+
+    packed, views = (
+        kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16, packed=p)[-2:] for p in (True, False)
+    )
+    for (kernel, _, args, kw), (_, _, v_args, v_kw) in zip(packed, views):
+        assert kw["SUMS"] and not v_kw["SUMS"]
+        with_sums, without = (kernel_build.report(kernel, a, k, 90) for a, k in ((args, kw), (v_args, v_kw)))
+        for r in (with_sums, without):
+            assert r["spill_bytes"] == 0 and not r["wgmma_serialized"], r
+        assert with_sums["loop_sass"] == without["loop_sass"], (with_sums, without)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
+@pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
 def test_the_backward_loops_read_each_querys_statistics_once_and_dq_keeps_four_programs_an_sm():
     # The dK/dV kernel's loop needs each query's lse and delta. Loaded from two tensors in the layout
     # of the (keys, queries) scores, Triton 3.6 (torch 2.11's) copied them 4 bytes at a time for
