@@ -5,10 +5,10 @@ imports every process otherwise pays (most of a tiny run's time on two cores).
 Each request starts ``nproc`` forked processes that run ``framework.__main__`` exactly as
 ``python -m framework ARGS`` would (argv, environment, working directory, sys.path, stdout and
 stderr in files, the exit status), with the variables torchrun sets when ``nproc`` > 1 (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT of the client's ``held_store``: gloo over TCP between real
-processes). Like torchrun,
-the first rank to fail stops the others. The framework's own modules are imported fresh in every
-child, so PYTHONPATH and the code on disk count as in a new interpreter. What torchrun itself does
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT of the client's ``held_store``: gloo over TCP between
+real processes). Like torchrun, the first rank to fail stops the others. The framework's own
+modules are imported fresh in every child, so PYTHONPATH and the code on disk count as in a new
+interpreter. What torchrun itself does
 (its signals, its death) is tested through the real torchrun (tests.conftest.run_cli(real=True)).
 
 Protocol: one JSON request per stdin line, one JSON reply per stdout line.

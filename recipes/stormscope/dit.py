@@ -251,7 +251,7 @@ class NeighbourhoodAttention(nn.Module):
         if self.rope is None and natten.takes_packed(self.impl, x):
             # (x: the projection's device, and a dtype the kernels take exactly where they take its)
             # The fused kernels take the projection whole: its gradient comes back as one tensor,
-            # and its bias's gradient (the sum of that over tokens) from their accumulators.
+            # and its bias's gradient (that summed over tokens) from their sums of what they store.
             qkv = self._projection(x, detached_bias=True)
             return self._merge(natten.packed_neighbourhood_attention(qkv, self.kernel, self.qkv.bias), out_bias)
         return self.attend(*self._split(self._projection(x)), out_bias=out_bias)
