@@ -543,10 +543,10 @@ if triton is not None:
         FULL: tl.constexpr, DP: tl.constexpr, SUMS: tl.constexpr,
     ):  # fmt: skip
         """dQ of one query tile: the forward's loop, recomputing the probabilities from the lse.
-        With SUMS also its column sums, at ``sums_ptr`` (B, heads, tiles, D) (``_column_sums``).
         First its queries' (lse, delta) records, as ``_fna_delta`` writes them (the dK/dV kernel,
         launched after this one, reads them): a prologue on what this program reads anyway,
-        instead of a kernel's pass over dO and O that divided by the grid's width per token."""
+        instead of a kernel's pass over dO and O that divided by the grid's width per token.
+        With SUMS also the tile's column sums, at ``sums_ptr`` (B, heads, tiles, D) (``_column_sums``)."""
         b, h, rows, cols, valid, ws_r, ws_c, lo_r, hi_r, lo_c, hi_c = _query_tile(
             hq, w, q_off, grid_rows, half, span_r, span_c, QH, QW
         )
@@ -905,7 +905,7 @@ def _backward_into(
     """The backward kernels' launches, writing dQ, dK, dV into the tensors given (of q's and k's
     shapes, any strides with a unit head stride; dK and dV with the same strides), and with
     ``sums`` (float32, (3, heads, d)) the sums over tokens of dQ, dK and dV into it: the kernels
-    sum what they hold before storing it, a row of partial sums a program."""
+    sum each tile they store, a row of partial sums a program, added up here."""
     g = _geometry(q, k, kernel, q_row_offset, kv_row_offset, grid_rows)
     dkdv_tiles = _tiles("dkdv", q)
     atomic = _atomic_dq(dkdv_tiles)
