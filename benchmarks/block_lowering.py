@@ -14,7 +14,7 @@ floor on their time; the matrix products and the attention are not in these figu
 
     python benchmarks/block_lowering.py                                # the StormScope preset's block, batch 4
     python benchmarks/block_lowering.py --batch 1 --grid 32 40 --top 5
-    python benchmarks/block_lowering.py --residual-impl fused       # the block's residual and norm ops too
+    python benchmarks/block_lowering.py --residual-impl torch       # the residuals and norm as inductor's kernels
     python benchmarks/block_lowering.py --mlp-impl torch            # inductor's kernels throughout
 
 ``--json``: one line of JSON (for tests). The default partitioner's choices, not a memory
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     p.add_argument("--depth", type=int, default=16, help="blocks per model, for the per-step figure")
     p.add_argument("--rope", action="store_true")
     p.add_argument("--mlp-impl", default="fused", choices=("fused", "torch"), help="the MLP's bias + GELU")
-    p.add_argument("--residual-impl", default="torch", choices=("fused", "torch"), help="the gated residuals and norm")
+    p.add_argument("--residual-impl", default="fused", choices=("fused", "torch"), help="the gated residuals and norm")
     p.add_argument("--top", type=int, default=12, help="kernels listed per graph, the largest first")
     p.add_argument("--json", action="store_true", help="print one line of JSON")
     a = p.parse_args(argv)

@@ -7,8 +7,8 @@ against ``torch.compile`` of the same expressions in torch (what ``model.residua
 compiles to), on the preset's token grid by default: 4 samples of 128 x 160 tokens, 768 wide,
 bf16, the modulation terms bf16 and the bias float32 as under autocast. Prints each one's forward
 and forward + backward time (median, ms), the ratios, and the largest difference from a float64
-evaluation. ``--sweep`` also times ``residual_norm``'s backward kernel alone with other tiles
-(``ROWSxSTEP/WARPS``: tokens a program, tokens a step of its loop, warps).
+evaluation. ``--sweep`` also times the four kernels alone (each op's forward and backward) with
+other tiles (``ROWSxSTEP/WARPS``: tokens a program, tokens a step of its loop, warps).
 
     python benchmarks/residual_norm.py                          # on the GPU machine
     python benchmarks/residual_norm.py --sweep 128x2/8 128x4/8 64x2/4 256x2/8
@@ -87,21 +87,29 @@ def compare(samples: int, tokens: int, width: int, dtype, device, iters: int, wa
 
 
 def sweep(samples: int, tokens: int, width: int, dtype, specs: list[str], iters: int, warmup: int) -> list[tuple]:
-    """(spec, ms, TB/s) of ``residual_norm``'s backward kernel alone with each ``ROWSxSTEP/WARPS``."""
+    """(spec, {kernel: (ms, TB/s)}) for each ``ROWSxSTEP/WARPS``: the four kernels alone (each op's
+    forward and backward) with those tiles."""
     if not specs:
         return []
-    x, a, bias, gate, _, scale = (t.detach() for t in inputs(samples, tokens, width, dtype, torch.device("cuda")))
+    x, a, bias, gate, shift, scale = (t.detach() for t in inputs(samples, tokens, width, dtype, torch.device("cuda")))
     g, gh = torch.randn_like(x), torch.randn_like(x)
-    moved = 6 * x.numel() * x.element_size()  # g, gh, x, a read; the stream's and a's gradients written
+    size = x.numel() * x.element_size()
+    kernels = {  # name: (tensors read and written, the launch)
+        "norm fwd": (4, lambda t: residual.launch_forward(x, a, bias, gate, shift, scale, EPS, True, t)),
+        "norm bwd": (6, lambda t: residual.launch_backward(g, gh, x, a, bias, gate, scale, EPS, t)),
+        "gated fwd": (3, lambda t: residual.launch_forward(x, a, bias, gate, None, None, 0.0, False, t)),
+        "gated bwd": (3, lambda t: residual.launch_backward(g, None, None, a, bias, gate, None, 0.0, t)),
+    }
     out = []
     for spec in specs:
         tiles, _, warps = spec.partition("/")
         bm, rb = (int(v) for v in tiles.split("x"))
         t = (bm, rb, int(warps or 8))
-        ms = median_ms(
-            lambda t=t: residual.launch_backward(g, gh, x, a, bias, gate, scale, EPS, t), iters, warmup, x.device
-        )
-        out.append((spec, ms, moved / ms / 1e9))
+        times = {}
+        for name, (tensors, launch) in kernels.items():
+            ms = median_ms(lambda launch=launch, t=t: launch(t), iters, warmup, x.device)
+            times[name] = (ms, tensors * size / ms / 1e9)
+        out.append((spec, times))
     return out
 
 
@@ -114,7 +122,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--sweep", nargs="*", default=[], metavar="ROWSxSTEP/WARPS", help="backward tiles (CUDA)")
+    p.add_argument("--sweep", nargs="*", default=[], metavar="ROWSxSTEP/WARPS", help="tiles of the four kernels (CUDA)")
     a = p.parse_args(argv)
     if a.sweep and a.device != "cuda":
         p.error("--sweep times the compiled kernel: it needs --device cuda")
@@ -133,8 +141,8 @@ def main(argv=None) -> None:
             f"  {case:<15} op / inductor: forward {r['op']['fwd_ms'] / r['inductor']['fwd_ms']:.3f}x, forward + "
             f"backward {r['op']['fwd_bwd_ms'] / r['inductor']['fwd_bwd_ms']:.3f}x the time"
         )
-    for spec, ms, tbs in sweep(a.samples, a.tokens, a.width, dtype, a.sweep, a.iters, a.warmup):
-        print(f"  residual_norm backward {spec:<12} {ms:7.3f} ms  {tbs:5.2f} TB/s")
+    for spec, times in sweep(a.samples, a.tokens, a.width, dtype, a.sweep, a.iters, a.warmup):
+        print(f"  {spec:<10}" + "".join(f"  {k} {ms:6.3f} ms {tbs:4.2f} TB/s" for k, (ms, tbs) in times.items()))
 
 
 if __name__ == "__main__":

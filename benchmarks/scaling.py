@@ -716,7 +716,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mlp-impl", default="fused", choices=("fused", "torch"), help="dit: the MLP's bias + GELU")
     ap.add_argument(
         "--residual-impl",
-        default="torch",
+        default="fused",
         choices=("fused", "torch"),
         help="dit: the blocks' gated residual sums and the norm between them",
     )

@@ -56,8 +56,8 @@ class DiTConfig:
     # each block's two gated residual sums and the adaLN norm between them: torch (as written in
     # torch: inductor's kernels when compiled) | fused (Triton ops whose backward also sums the adaLN
     # terms' and the output biases' gradients, recipes/stormscope/residual.py; torch formulas on CPU;
-    # opt-in until a GPU has timed the step with them: docs/benchmarks.md, run 37)
-    residual_impl: str = "torch"
+    # +2.7% on the compiled DiT step on an H100: docs/benchmarks.md, run 39)
+    residual_impl: str = "fused"
 
     # how the model computes, not what its weights mean: a resumed run may change them
     RESUME_RULES = (

@@ -301,7 +301,7 @@ class DiTBlock(nn.Module):
         mask_token: bool = False,
         block: int | None = None,
         mlp_impl: str = "fused",
-        residual_impl: str = "torch",
+        residual_impl: str = "fused",
     ):
         super().__init__()
         if residual_impl not in RESIDUAL_IMPLS:
@@ -390,7 +390,7 @@ class DiT(nn.Module):
         attn_impl: str = "auto",
         attn_block: int | None = None,
         mlp_impl: str = "fused",
-        residual_impl: str = "torch",
+        residual_impl: str = "fused",
     ):
         super().__init__()
         h, w = img_resolution

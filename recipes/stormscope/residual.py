@@ -46,13 +46,14 @@ try:
 except ImportError:  # CPU-only installs: the torch formulas below
     triton = None
 
-# Tokens a program, tokens a step of its loop, warps: forward, backward. A backward program writes
-# one row of column sums each: (B, T / 128, 4, D) float32 partial sums, 7.9 MB for the preset's
-# 4 x 20480 tokens of 768 against the 0.13 GB a re-read of one gradient costs. Built for sm90
-# (``benchmarks/kernel_build.py``), the backward with the norm takes 127 registers a thread at 2
-# tokens a step (2 programs of 8 warps an SM), 162 at 4.
-_FWD_TILES = (128, 4, 8)
-_BWD_TILES = (128, 2, 8)
+# Tokens a program, tokens a step of its loop, warps: forward, backward, the fastest of an H100
+# sweep (``benchmarks/residual_norm.py --sweep``, docs/benchmarks.md run 39). Programs of 128
+# tokens in 8 warps kept too few loads in flight (the backward with the norm at 0.4-0.6 TB/s, 2.3x
+# inductor's time); 16 tokens in 2 or 4 warps run at 1.9-2.2 TB/s. A backward program writes one
+# row of column sums each: (B, T / 16, 4, D) float32 partial sums, 63 MB for the preset's 4 x 20480
+# tokens of 768, which the op then adds up (about 40 us on an H100; outside the sweep's times).
+_FWD_TILES = (16, 4, 4)
+_BWD_TILES = (16, 2, 2)
 
 
 def _kernels_take(*tensors: Tensor) -> bool:

@@ -223,8 +223,8 @@ def test_attn_block_reaches_every_attention_and_is_checked_in_the_config():
 @pytest.mark.parametrize("knob", ["mlp_impl", "residual_impl"])
 def test_an_impl_knob_reaches_every_block_computes_the_same_and_is_checked_in_the_config(knob):
     """model.mlp_impl: the bias + GELU op (fused, the default) or F.gelu after fc1 (torch);
-    model.residual_impl: the torch expressions (the default) or the gated residual and norm ops
-    (fused); on every block, with the same parameters, and outputs and gradients equal to
+    model.residual_impl: the gated residual and norm ops (fused, the default) or the torch
+    expressions (torch); on every block, with the same parameters, and outputs and gradients equal to
     float64 round-off."""
     import recipes.stormscope.registry  # noqa: F401  (registers the dit builder)
     from framework import registry
@@ -233,7 +233,7 @@ def test_an_impl_knob_reaches_every_block_computes_the_same_and_is_checked_in_th
     from recipes.stormscope.dit import DiTBlock, Mlp
 
     holder = {"mlp_impl": (Mlp, "impl"), "residual_impl": (DiTBlock, "residual_impl")}[knob]
-    assert getattr(DiTConfig(), knob) == {"mlp_impl": "fused", "residual_impl": "torch"}[knob]
+    assert getattr(DiTConfig(), knob) == {"mlp_impl": "fused", "residual_impl": "fused"}[knob]
     build = registry.models.entry("dit").builder
     outs = []
     for impl in ("fused", "torch"):
