@@ -7,8 +7,9 @@ against ``torch.compile`` of the same expressions in torch (what ``model.residua
 compiles to), on the preset's token grid by default: 4 samples of 128 x 160 tokens, 768 wide,
 bf16, the modulation terms bf16 and the bias float32 as under autocast. Prints each one's forward
 and forward + backward time (median, ms), the ratios, and the largest difference from a float64
-evaluation. ``--sweep`` also times the four kernels alone (each op's forward and backward) with
-other tiles (``ROWSxSTEP/WARPS``: tokens a program, tokens a step of its loop, warps).
+evaluation. ``--sweep`` also times the four kernels alone (each op's forward and backward, the
+backward with the sum of its per-program column sums) with other tiles (``ROWSxSTEP/WARPS``:
+tokens a program, tokens a step of its loop, warps).
 
     python benchmarks/residual_norm.py                          # on the GPU machine
     python benchmarks/residual_norm.py --sweep 128x2/8 128x4/8 64x2/4 256x2/8
@@ -88,7 +89,8 @@ def compare(samples: int, tokens: int, width: int, dtype, device, iters: int, wa
 
 def sweep(samples: int, tokens: int, width: int, dtype, specs: list[str], iters: int, warmup: int) -> list[tuple]:
     """(spec, {kernel: (ms, TB/s)}) for each ``ROWSxSTEP/WARPS``: the four kernels alone (each op's
-    forward and backward) with those tiles."""
+    forward and backward) with those tiles, the backward's with the sum of its column sums (TB/s:
+    the token tensors' bytes, not the sums')."""
     if not specs:
         return []
     x, a, bias, gate, shift, scale = (t.detach() for t in inputs(samples, tokens, width, dtype, torch.device("cuda")))
@@ -96,9 +98,14 @@ def sweep(samples: int, tokens: int, width: int, dtype, specs: list[str], iters:
     size = x.numel() * x.element_size()
     kernels = {  # name: (tensors read and written, the launch)
         "norm fwd": (4, lambda t: residual.launch_forward(x, a, bias, gate, shift, scale, EPS, True, t)),
-        "norm bwd": (6, lambda t: residual.launch_backward(g, gh, x, a, bias, gate, scale, EPS, t)),
+        # (the backward kernels' per-program column sums added up as the ops do: at 16 tokens a
+        # program they are 63 MB of float32 at the preset's size)
+        "norm bwd": (6, lambda t: residual.launch_backward(g, gh, x, a, bias, gate, scale, EPS, t)[2].sum(1)),
         "gated fwd": (3, lambda t: residual.launch_forward(x, a, bias, gate, None, None, 0.0, False, t)),
-        "gated bwd": (3, lambda t: residual.launch_backward(g, None, None, a, bias, gate, None, 0.0, t)),
+        "gated bwd": (
+            3,
+            lambda t: residual.launch_backward(g, None, None, a, bias, gate, None, 0.0, t)[2][:, :, :2].sum(1),
+        ),
     }
     out = []
     for spec in specs:
