@@ -12,7 +12,7 @@ backward with the sum of its per-program column sums) with other tiles (``ROWSxS
 tokens a program, tokens a step of its loop, warps).
 
     python benchmarks/residual_norm.py                          # on the GPU machine
-    python benchmarks/residual_norm.py --sweep 128x2/8 128x4/8 64x2/4 256x2/8
+    python benchmarks/residual_norm.py --sweep 16x2/2 16x4/4 32x2/2 64x2/4 128x2/8
     python benchmarks/residual_norm.py --device cpu --tokens 64 --width 48 --iters 2   # the code path, on CPU
 
 Absolute times only mean something on a GPU; on CPU (without ``TRITON_INTERPRET=1``) the ops run

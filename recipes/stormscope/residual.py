@@ -51,7 +51,7 @@ except ImportError:  # CPU-only installs: the torch formulas below
 # tokens in 8 warps kept too few loads in flight (the backward with the norm at 0.4-0.6 TB/s, 2.3x
 # inductor's time); 16 tokens in 2 or 4 warps run at 1.9-2.2 TB/s. A backward program writes one
 # row of column sums each: (B, T / 16, 4, D) float32 partial sums, 63 MB for the preset's 4 x 20480
-# tokens of 768, which the op then adds up (about 40 us on an H100; outside the sweep's times).
+# tokens of 768, which the op then adds up (written and read: some 40 us at an H100's bandwidth).
 _FWD_TILES = (16, 4, 4)
 _BWD_TILES = (16, 2, 2)
 
