@@ -109,9 +109,7 @@ def sweep(samples: int, tokens: int, width: int, dtype, specs: list[str], iters:
     }
     out = []
     for spec in specs:
-        tiles, _, warps = spec.partition("/")
-        bm, rb = (int(v) for v in tiles.split("x"))
-        t = (bm, rb, int(warps or 8))
+        t = residual.Tiles.parse(spec)
         times = {}
         for name, (tensors, launch) in kernels.items():
             ms = median_ms(lambda launch=launch, t=t: launch(t), iters, warmup, x.device)

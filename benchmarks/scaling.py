@@ -38,6 +38,8 @@ a drift of the card's clock reaches them all alike, and prints each against the 
 
     python benchmarks/scaling.py --gpus 1 --layouts none --model dit --modes compiled --rounds 2 \
         --compare residual-impl=torch residual-impl=fused mlp-impl=torch
+    python benchmarks/scaling.py --gpus 1 --layouts none --model dit --modes compiled --rounds 2 \
+        --compare residual-tiles=fwd=16x4/4,bwd=16x2/2 residual-tiles=32x2/2   # a tile set's commas are its own
 
 ``--profile DIR`` writes per run the kernel time by kind and the top kernels
 (``profile_<run>.txt``), every kernel (``kernels_<run>.tsv``), a trace and the host's time.
@@ -86,6 +88,10 @@ def build_model(args):
             from recipes.stormscope import fused_natten
 
             fused_natten.TILES.update(fused_natten.parse_tile_set(args.attn_tiles))
+        if args.residual_tiles:
+            from recipes.stormscope import residual
+
+            residual.TILES.update(residual.parse_tile_set(args.residual_tiles))
         impls = dict(attn_impl=args.attn_impl, mlp_impl=args.mlp_impl, residual_impl=args.residual_impl)
         cfg, io = DiTConfig(attn_block=args.attn_block, **impls), DIT_IO
     elif args.model == "diffusion":
@@ -115,6 +121,16 @@ def _tile_set(text: str) -> str:
         spec = Path(text[1:]).read_text().strip() if text.startswith("@") else text
         return fused_natten.format_tile_set(fused_natten.parse_tile_set(spec))
     except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _residual_tile_set(text: str) -> str:
+    """--residual-tiles: checked here, passed on to the workers in the same notation."""
+    from recipes.stormscope import fused_natten, residual
+
+    try:
+        return fused_natten.format_tile_set(residual.parse_tile_set(text))
+    except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -569,7 +585,11 @@ def worker(args) -> None:
         }
         if args.model == "dit":  # what ran (--compare's variants differ here)
             result["impls"] = dict(
-                attn=args.attn_impl, attn_tiles=args.attn_tiles, mlp=args.mlp_impl, residual=args.residual_impl
+                attn=args.attn_impl,
+                attn_tiles=args.attn_tiles,
+                mlp=args.mlp_impl,
+                residual=args.residual_impl,
+                residual_tiles=args.residual_tiles,
             )
         if compiled is not None:
             result["compile_stats"] = {k: v for k, v in compiled.stats().items() if k != "break_reasons"}
@@ -623,6 +643,7 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
             "--residual-impl",
             args.residual_impl,
             *(["--attn-tiles", args.attn_tiles] if args.attn_tiles else []),
+            *(["--residual-tiles", args.residual_tiles] if args.residual_tiles else []),
             *(["--dropout", str(args.dropout)] if args.dropout is not None else []),
             "--watchdog",
             str(args.watchdog),
@@ -727,6 +748,12 @@ def main(argv=None) -> None:
         help="dit, fused: the kernels' 16-bit tiles, SPEC or fwd=SPEC,dq=SPEC,dkdv=SPEC, or @FILE "
         "(benchmarks/natten.py --best-tiles); default: the recipe's",
     )
+    ap.add_argument(
+        "--residual-tiles",
+        type=_residual_tile_set,
+        help="dit, residual-impl fused: the ops' tiles, ROWSxSTEP/WARPS or fwd=SPEC,bwd=SPEC "
+        "(benchmarks/residual_norm.py --sweep's notation); default: the recipe's",
+    )
     ap.add_argument("--dropout", type=float, help="the SongUNets' dropout (default: the presets', 0.1)")
     ap.add_argument(
         "--watchdog",
@@ -776,6 +803,7 @@ def print_table(runs: list[dict], args) -> None:
     if args.model == "dit":
         attention = f", attention {args.attn_impl}" + (f" ({args.attn_tiles})" if args.attn_tiles else "")
         attention += f", MLP {args.mlp_impl}, residuals {args.residual_impl}"
+        attention += f" ({args.residual_tiles})" if args.residual_tiles else ""
     print(
         f"{args.model}, {args.height}x{args.width}, batch {args.batch_per_gpu}/GPU, {args.precision}, "
         f"{base['tflop_per_sample']:.2f} TFLOP/sample{attention}"
@@ -824,9 +852,18 @@ def print_table(runs: list[dict], args) -> None:
 
 
 def _variant_args(ap: argparse.ArgumentParser, argv: list[str], spec: str) -> argparse.Namespace:
-    """The driver's arguments with a variant's options (``key=value,...``) after them (the later wins)."""
-    extra = []
+    """The driver's arguments with a variant's options (``key=value,...``) after them (the later wins).
+    A comma followed by something other than an option's name is the value's own (a tile set's
+    ``fwd=...,bwd=...``)."""
+    options = {s[2:] for s in ap._option_string_actions if s.startswith("--")}
+    items: list[str] = []
     for item in filter(None, (i.strip() for i in spec.split(","))):
+        if items and item.partition("=")[0] not in options:
+            items[-1] += "," + item
+        else:
+            items.append(item)
+    extra = []
+    for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key or key.startswith("-"):
             ap.error(f"--compare {spec!r}: expected key=value[,key=value] (driver options without their dashes)")

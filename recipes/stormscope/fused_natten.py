@@ -156,24 +156,30 @@ TILES = {
 TILES_FP32 = Tiles(4, 8, 4, 8)
 
 
+def parse_named_tiles(text: str, names, parse) -> dict:
+    """Tiles for the kernels ``names`` from ``SPEC`` (all alike) or ``name=SPEC,...`` (any of them),
+    each SPEC read by ``parse``."""
+    if "=" not in text:
+        return dict.fromkeys(names, parse(text))
+    out = {}
+    for item in text.split(","):
+        name, _, spec = item.partition("=")
+        if name not in names or name in out:
+            expected = ",".join(f"{n}=SPEC" for n in names)
+            raise ValueError(f"tile set {text!r}: expected SPEC or {expected}, got {name!r}")
+        out[name] = parse(spec)
+    return out
+
+
 def parse_tile_set(text: str) -> dict[str, Tiles]:
     """16-bit tiles for the three kernels from ``SPEC`` (all alike) or ``fwd=SPEC,dq=SPEC,dkdv=SPEC``
     (any of them; the rest keep ``TILES``'), SPEC in ``Tiles.parse``'s notation. What
     ``benchmarks/natten.py --best-tiles`` writes and ``benchmarks/scaling.py --attn-tiles`` reads."""
-    if "=" not in text:
-        tiles = Tiles.parse(text)
-        return dict.fromkeys(TILES, tiles)
-    out = {}
-    for item in text.split(","):
-        name, _, spec = item.partition("=")
-        if name not in TILES or name in out:
-            raise ValueError(f"tile set {text!r}: expected SPEC or fwd=SPEC,dq=SPEC,dkdv=SPEC, got {name!r}")
-        out[name] = Tiles.parse(spec)
-    return out
+    return parse_named_tiles(text, TILES, Tiles.parse)
 
 
-def format_tile_set(tiles: dict[str, Tiles]) -> str:
-    """``parse_tile_set``'s notation for ``tiles``."""
+def format_tile_set(tiles: dict) -> str:
+    """``parse_named_tiles``' notation for ``tiles`` (each one's ``str`` its SPEC)."""
     return ",".join(f"{name}={t}" for name, t in tiles.items())
 
 

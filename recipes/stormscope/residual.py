@@ -34,11 +34,13 @@ also run on CPU tensors, as the CPU tests run them.
 from __future__ import annotations
 
 import os
+import re
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from recipes.stormscope.fused_natten import device_of
+from recipes.stormscope.fused_natten import device_of, parse_named_tiles
 
 try:
     import triton
@@ -46,14 +48,40 @@ try:
 except ImportError:  # CPU-only installs: the torch formulas below
     triton = None
 
-# Tokens a program, tokens a step of its loop, warps: forward, backward, the fastest of an H100
-# sweep (``benchmarks/residual_norm.py --sweep``, docs/benchmarks.md run 39). Programs of 128
-# tokens in 8 warps kept too few loads in flight (the backward with the norm at 0.4-0.6 TB/s, 2.3x
-# inductor's time); 16 tokens in 2 or 4 warps run at 1.9-2.2 TB/s. A backward program writes one
-# row of column sums each: (B, T / 16, 4, D) float32 partial sums, 63 MB for the preset's 4 x 20480
-# tokens of 768, which the op then adds up (written and read: some 40 us at an H100's bandwidth).
-_FWD_TILES = (16, 4, 4)
-_BWD_TILES = (16, 2, 2)
+
+class Tiles(NamedTuple):
+    """Tokens a program, tokens a step of its loop, warps; written ``ROWSxSTEP/WARPS``."""
+
+    rows: int
+    step: int
+    warps: int
+
+    @classmethod
+    def parse(cls, text: str) -> Tiles:
+        m = re.fullmatch(r"(\d+)x(\d+)/(\d+)", text.strip())
+        tiles = cls(*(int(v) for v in m.groups())) if m else None
+        # (a step and the warps are powers of two, as Triton's ranges and launches need)
+        if tiles is None or min(tiles) < 1 or any(v & (v - 1) for v in tiles[1:]):
+            raise ValueError(f"residual tiles {text!r}: expected ROWSxSTEP/WARPS, the step and warps powers of 2")
+        return cls(*_checked(tiles))
+
+    def __str__(self) -> str:
+        return f"{self.rows}x{self.step}/{self.warps}"
+
+
+# The forward's and the backward's tiles, the fastest of an H100 sweep (``benchmarks/residual_norm.py
+# --sweep``, docs/benchmarks.md run 39). Programs of 128 tokens in 8 warps kept too few loads in
+# flight (the backward with the norm at 0.4-0.6 TB/s, 2.3x inductor's time); 16 tokens in 2 or 4
+# warps run at 1.9-2.2 TB/s. A backward program writes one row of column sums each: (B, T / 16, 4,
+# D) float32 partial sums, 63 MB for the preset's 4 x 20480 tokens of 768, which the op then adds
+# up (written and read: some 40 us at an H100's bandwidth).
+TILES = {"fwd": Tiles(16, 4, 4), "bwd": Tiles(16, 2, 2)}
+
+
+def parse_tile_set(text: str) -> dict[str, Tiles]:
+    """Tiles from ``SPEC`` (both kernels) or ``fwd=SPEC,bwd=SPEC`` (either), SPEC in ``Tiles.parse``'s
+    notation: what ``benchmarks/scaling.py --residual-tiles`` reads."""
+    return parse_named_tiles(text, TILES, Tiles.parse)
 
 
 def _kernels_take(*tensors: Tensor) -> bool:
@@ -189,12 +217,13 @@ def _checked(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
     return tiles
 
 
-def launch_forward(x, a, bias, gate, shift, scale, eps, norm: bool, tiles=_FWD_TILES):
-    """The forward kernel: (x1, h), h x1 itself without the norm."""
+def launch_forward(x, a, bias, gate, shift, scale, eps, norm: bool, tiles=None):
+    """The forward kernel: (x1, h), h x1 itself without the norm (``tiles``: ``TILES["fwd"]``'s, read
+    at the call, unless given)."""
     b, t, d = _shape(x, gate, bias)
     x1 = torch.empty(x.shape, device=x.device, dtype=_stream_dtype(x, a))
     h = torch.empty_like(x1) if norm else x1
-    bm, rb, warps = _checked(tiles)
+    bm, rb, warps = _checked(tiles or TILES["fwd"])
     mod = [_flat(m, b, d) for m in ((gate, shift, scale) if norm else (gate, gate, gate))]
     with device_of(x):
         _forward[(b, triton.cdiv(t, bm))](
@@ -204,13 +233,14 @@ def launch_forward(x, a, bias, gate, shift, scale, eps, norm: bool, tiles=_FWD_T
     return x1, h
 
 
-def launch_backward(g, gh, x, a, bias, gate, scale, eps, tiles=_BWD_TILES):
+def launch_backward(g, gh, x, a, bias, gate, scale, eps, tiles=None):
     """The backward kernel: (the stream's gradient, a's, the (B, blocks, 4, D) float32 column sums),
     for ``residual_norm`` (``gh`` h's gradient) or ``gated_residual`` (``gh`` None: the stream's
     gradient is ``g`` and the sums' last two rows are left unwritten). ``tiles``: tokens a program,
-    tokens a step, warps (what ``benchmarks/residual_norm.py --sweep`` varies)."""
+    tokens a step, warps (what ``benchmarks/residual_norm.py --sweep`` varies; ``TILES["bwd"]``'s,
+    read at the call, unless given)."""
     b, t, d = _shape(a, gate, bias)
-    bm, rb, warps = _checked(tiles)
+    bm, rb, warps = _checked(tiles or TILES["bwd"])
     norm = gh is not None
     blocks = triton.cdiv(t, bm)
     dx = torch.empty(x.shape, device=x.device, dtype=_stream_dtype(x, a)) if norm else g

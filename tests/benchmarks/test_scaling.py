@@ -15,7 +15,7 @@ def test_model_flops_on_the_meta_device_equal_a_real_steps_per_sample(kind):
     """MFU's numerator: the count on a meta-device copy (which needs no memory, so an 80 GB card
     can measure the preset's batch) equals FlopCounterMode on a real two-sample step, per sample."""
     registry.load_providers()
-    args = argparse.Namespace(model=kind, height=32, width=48, dropout=None, attn_tiles=None)
+    args = argparse.Namespace(model=kind, height=32, width=48, dropout=None, attn_tiles=None, residual_tiles=None)
     model, io, _ = scaling.build_model(args)
     x_ch = io[0] - io[1] if kind == "diffusion" else io[0]
     torch.manual_seed(0)
@@ -55,17 +55,48 @@ def test_compare_runs_each_variant_in_turn_and_prints_it_against_the_first(tmp_p
     cmd = [sys.executable, "benchmarks/scaling.py", "--gpus", "1", "--layouts", "none", "--model", "dit"]
     cmd += ["--modes", "eager", "--steps", "1", "--warmup", "0", "--device", "cpu", "--height", "16"]
     cmd += ["--width", "24", "--batch-per-gpu", "1", "--attn-impl", "reference", "--out", str(out)]
-    cmd += ["--compare", "residual-impl=torch", "residual-impl=fused,mlp-impl=torch"]
+    # (a tile set's own comma stays in its value)
+    tiled = "residual-impl=fused,residual-tiles=fwd=32x4/4,bwd=8x2/2,mlp-impl=torch"
+    cmd += ["--compare", "residual-impl=torch", tiled]
     proc = subprocess.run(cmd, cwd=scaling.REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())
-    ran = [(r["compared"], r["impls"]["residual"], r["impls"]["mlp"]) for r in runs]
-    first, second = ("residual-impl=torch", "torch", "fused"), ("residual-impl=fused,mlp-impl=torch", "fused", "torch")
+    ran = [(r["compared"], r["impls"]["residual"], r["impls"]["residual_tiles"], r["impls"]["mlp"]) for r in runs]
+    first, second = ("residual-impl=torch", "torch", None, "fused"), (tiled, "fused", "fwd=32x4/4,bwd=8x2/2", "torch")
     assert ran == [first, second]
     table = proc.stdout.splitlines()
     assert "none x1 eager" in table[0] and "1 round(s) alternating" in table[0], proc.stdout
     assert table[2].split()[0] == first[0] and table[2].split()[3] == "1.000", proc.stdout
     assert table[3].split()[0] == second[0] and float(table[3].split()[3]) > 0, proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("tiles", "message"),
+    [
+        ("16x3/2", "residual tiles '16x3/2': expected ROWSxSTEP/WARPS, the step and warps powers of 2"),
+        ("fwd=16x2/2,dq=16x2/2", "expected SPEC or fwd=SPEC,bwd=SPEC, got 'dq'"),
+        ("8x16/2", "16 tokens a step do not divide 8 tokens a program"),
+    ],
+)
+def test_residual_tiles_are_checked_by_the_driver_in_one_line(capsys, tiles, message):
+    with pytest.raises(SystemExit) as e:
+        scaling.main(["--model", "dit", "--residual-tiles", tiles])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_residual_tiles_reach_the_ops_of_the_built_model(monkeypatch):
+    """A worker's --residual-tiles set the tiles the ops launch with (read at each call)."""
+    from recipes.stormscope import residual
+
+    monkeypatch.setattr(residual, "TILES", dict(residual.TILES))
+    registry.load_providers()
+    args = argparse.Namespace(
+        model="dit", height=32, width=48, dropout=None, attn_tiles=None, attn_impl="reference", attn_block=None,
+        mlp_impl="fused", residual_impl="fused", residual_tiles="bwd=32x4/4",
+    )  # fmt: skip
+    scaling.build_model(args)
+    assert residual.TILES == {"fwd": residual.Tiles(16, 4, 4), "bwd": residual.Tiles(32, 4, 4)}
 
 
 def test_a_compare_variant_that_is_not_an_option_is_refused_in_one_line(capsys):

@@ -116,7 +116,7 @@ def test_half_precision_streams_are_rounded_once_and_normalised_as_stored(device
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_other_backward_tiles_compute_the_same_gradients(device):
+def test_other_backward_tiles_compute_the_same_gradients(device, monkeypatch):
     """``launch_backward``'s tiles (what benchmarks/residual_norm.py --sweep varies) change the
     blocks of the column sums, not the gradients."""
     x, a, bias, mod = _inputs((2, 300, 48), torch.float32, device, seed=1)
@@ -127,9 +127,29 @@ def test_other_backward_tiles_compute_the_same_gradients(device):
     assert want[2].shape == (2, 3, 4, 48) and got[2].shape == (2, 10, 4, 48)
     default = residual.launch_backward(g, gh, x, a, bias, gate, scale, EPS)
     torch.testing.assert_close(default[1], want[1], atol=1e-6, rtol=1e-6)
+    # the ops' tiles are read at each call (what benchmarks/scaling.py --residual-tiles sets)
+    monkeypatch.setitem(residual.TILES, "bwd", residual.Tiles.parse("32x4/2"))
+    assert residual.launch_backward(g, gh, x, a, bias, gate, scale, EPS)[2].shape == (2, 10, 4, 48)
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[2].sum(1), want[2].sum(1), atol=1e-4, rtol=1e-5)
+
+
+def test_tiles_are_written_rows_x_step_over_warps_and_checked():
+    tiles = residual.parse_tile_set("fwd=32x4/4,bwd=16x2/2")
+    assert tiles == {"fwd": residual.Tiles(32, 4, 4), "bwd": residual.Tiles(16, 2, 2)}
+    assert [str(t) for t in tiles.values()] == ["32x4/4", "16x2/2"]
+    assert residual.parse_tile_set("64x2/4") == dict.fromkeys(("fwd", "bwd"), residual.Tiles(64, 2, 4))
+    for bad, message in [
+        ("16x2", "expected ROWSxSTEP/WARPS"),
+        ("16x3/2", "the step and warps powers of 2"),
+        ("16x2/3", "the step and warps powers of 2"),
+        ("0x2/2", "expected ROWSxSTEP/WARPS"),
+        ("8x16/2", "16 tokens a step do not divide 8 tokens a program"),
+        ("bwd=16x2/2,bwd=8x2/2", "expected SPEC or fwd=SPEC,bwd=SPEC, got 'bwd'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            residual.parse_tile_set(bad)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
