@@ -215,10 +215,17 @@ def tiny_overrides(tmp_path, data_root, **extra):
 
 # A rank that dies of a native crash inside torch: a heap corruption ("free(): invalid size") in
 # the FSDP2 roundtrip's first full_tensor on gloo, before any save, about once in 100+ runs on
-# CI, never reproduced here in 350 tries (glibc's malloc checks on); a SIGSEGV once before. Such a
-# test runs once more with fresh fixtures (pytest-rerunfailures, reported as a rerun); a Python
-# failure, an assertion or a rank's exception, is never rerun.
-NATIVE_CRASH = r"process \d+ terminated with signal SIG(ABRT|SEGV|BUS)"
+# CI, never reproduced here in 350 tries (glibc's malloc checks on); a SIGSEGV once before; once
+# here in an fsdp2_domain run's checkpoint save ("malloc_consolidate(): invalid chunk size", the
+# launch's return code -6, its peer reporting the connection closed). Such a test runs once more
+# with fresh fixtures (pytest-rerunfailures, reported as a rerun): torchrun's report of the signal,
+# or glibc's heap check in the rank's stderr before it aborts. A Python failure, an assertion or a
+# rank's exception, is never rerun.
+NATIVE_CRASH = (
+    r"process \d+ terminated with signal SIG(ABRT|SEGV|BUS)"
+    r"|\b(malloc|free|realloc|munmap_chunk|malloc_consolidate)\(\): (invalid|corrupted|unaligned)[a-z ]*"
+    r"|double free or corruption|corrupted size vs\. prev_size"
+)
 
 
 def pytest_collection_modifyitems(config, items):
