@@ -88,33 +88,34 @@ def compare(samples: int, tokens: int, width: int, dtype, device, iters: int, wa
 
 
 def sweep(samples: int, tokens: int, width: int, dtype, specs: list[str], iters: int, warmup: int) -> list[tuple]:
-    """(spec, {kernel: (ms, TB/s)}) for each ``ROWSxSTEP/WARPS``: the four kernels alone (each op's
-    forward and backward) with those tiles, the backward's with the sum of its column sums (TB/s:
-    the token tensors' bytes, not the sums')."""
+    """(spec, {kernel: (ms, TB/s)}) for each ``ROWSxSTEP/WARPS``: the four ops alone (each one's
+    forward and backward, as the model calls them) with those tiles in ``residual.TILES``, the
+    backward with the sum of its column sums (TB/s: the token tensors' bytes, not the sums')."""
     if not specs:
         return []
     x, a, bias, gate, shift, scale = (t.detach() for t in inputs(samples, tokens, width, dtype, torch.device("cuda")))
     g, gh = torch.randn_like(x), torch.randn_like(x)
     size = x.numel() * x.element_size()
-    kernels = {  # name: (tensors read and written, the launch)
-        "norm fwd": (4, lambda t: residual.launch_forward(x, a, bias, gate, shift, scale, EPS, True, t)),
-        # (the backward kernels' per-program column sums added up as the ops do: at 16 tokens a
-        # program they are 63 MB of float32 at the preset's size)
-        "norm bwd": (6, lambda t: residual.launch_backward(g, gh, x, a, bias, gate, scale, EPS, t)[2].sum(1)),
-        "gated fwd": (3, lambda t: residual.launch_forward(x, a, bias, gate, None, None, 0.0, False, t)),
-        "gated bwd": (
-            3,
-            lambda t: residual.launch_backward(g, None, None, a, bias, gate, None, 0.0, t)[2][:, :, :2].sum(1),
-        ),
+    ops = {  # name: (tensors read and written, the call)
+        "norm fwd": (4, lambda: residual.residual_norm(x, a, bias, gate, shift, scale, EPS)),
+        # (the backward ops add up their kernels' per-program column sums: at 16 tokens a program
+        # 63 MB of float32 at the preset's size)
+        "norm bwd": (6, lambda: residual.residual_norm_backward(g, gh, x, a, bias, gate, scale, EPS)),
+        "gated fwd": (3, lambda: residual.gated_residual(x, a, bias, gate)),
+        "gated bwd": (3, lambda: residual.gated_residual_backward(g, a, bias, gate)),
     }
     out = []
-    for spec in specs:
-        t = residual.Tiles.parse(spec)
-        times = {}
-        for name, (tensors, launch) in kernels.items():
-            ms = median_ms(lambda launch=launch, t=t: launch(t), iters, warmup, x.device)
-            times[name] = (ms, tensors * size / ms / 1e9)
-        out.append((spec, times))
+    saved = dict(residual.TILES)
+    try:
+        for spec in specs:
+            residual.TILES.update(dict.fromkeys(residual.TILES, residual.Tiles.parse(spec)))
+            times = {}
+            for name, (tensors, call) in ops.items():
+                ms = median_ms(call, iters, warmup, x.device)
+                times[name] = (ms, tensors * size / ms / 1e9)
+            out.append((spec, times))
+    finally:
+        residual.TILES.update(saved)
     return out
 
 

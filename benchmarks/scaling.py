@@ -113,25 +113,22 @@ def build_model(args):
     return model, io, cfg.downsample_factor
 
 
-def _tile_set(text: str) -> str:
-    """--attn-tiles: checked here, passed on to the workers in parse_tile_set's notation."""
-    from recipes.stormscope import fused_natten
+def _tile_set(module: str):
+    """--attn-tiles (``fused_natten``'s) or --residual-tiles (``residual``'s): checked here, passed on
+    to the workers in the same notation; ``@FILE`` reads it from a file."""
 
-    try:
-        spec = Path(text[1:]).read_text().strip() if text.startswith("@") else text
-        return fused_natten.format_tile_set(fused_natten.parse_tile_set(spec))
-    except (OSError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    def check(text: str) -> str:
+        import importlib
 
+        from recipes.stormscope.fused_natten import format_tile_set
 
-def _residual_tile_set(text: str) -> str:
-    """--residual-tiles: checked here, passed on to the workers in the same notation."""
-    from recipes.stormscope import fused_natten, residual
+        parse = importlib.import_module(f"recipes.stormscope.{module}").parse_tile_set
+        try:
+            return format_tile_set(parse(Path(text[1:]).read_text().strip() if text.startswith("@") else text))
+        except (OSError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
-    try:
-        return fused_natten.format_tile_set(residual.parse_tile_set(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return check
 
 
 def _dropout(args) -> dict:
@@ -744,13 +741,13 @@ def main(argv=None) -> None:
     ap.add_argument("--attn-block", type=int, choices=[64, 128], help="dit: flex's sparse block (default: auto)")
     ap.add_argument(
         "--attn-tiles",
-        type=_tile_set,
+        type=_tile_set("fused_natten"),
         help="dit, fused: the kernels' 16-bit tiles, SPEC or fwd=SPEC,dq=SPEC,dkdv=SPEC, or @FILE "
         "(benchmarks/natten.py --best-tiles); default: the recipe's",
     )
     ap.add_argument(
         "--residual-tiles",
-        type=_residual_tile_set,
+        type=_tile_set("residual"),
         help="dit, residual-impl fused: the ops' tiles, ROWSxSTEP/WARPS or fwd=SPEC,bwd=SPEC "
         "(benchmarks/residual_norm.py --sweep's notation); default: the recipe's",
     )

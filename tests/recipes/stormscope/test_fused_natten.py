@@ -663,9 +663,9 @@ def test_the_benchmark_keeps_the_fastest_forward_and_backward_tiles_apart(tmp_pa
         bench.tile_variant("bwd=8x8/8x8")
     path = tmp_path / "tiles"
     path.write_text(fused_natten.format_tile_set(best) + "\n")
-    assert fused_natten.parse_tile_set(scaling._tile_set(f"@{path}")) == best
+    assert fused_natten.parse_tile_set(scaling._tile_set("fused_natten")(f"@{path}")) == best
     with pytest.raises(Exception, match="got 'bwd'"):
-        scaling._tile_set("bwd=8x8/8x8")
+        scaling._tile_set("fused_natten")("bwd=8x8/8x8")
 
 
 @pytest.mark.skipif(fused_natten._TensorDescriptor is None, reason="this Triton has no tensor descriptors")
