@@ -491,7 +491,11 @@ def worker(args) -> None:
             )
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=cuda)
+        from framework.config.schema import OptimConfig
+        from framework.train import optim as optim_mod
+
+        fused = {"auto": None, "true": True, "false": False}[args.optim_fused]  # auto: the framework's choice
+        opt = optim_mod.build(OptimConfig(lr=1e-4, fused=fused), model.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
         t = Trainer(
@@ -562,6 +566,7 @@ def worker(args) -> None:
             "gpus": env.world_size,
             "precision": args.precision,
             "compile": args.compile,
+            "optimizer": "fused" if opt.param_groups[0].get("fused") else "foreach",
             "batch_per_gpu": b,
             "grid": [args.height, args.width],
             "domain": args.domain,
@@ -644,6 +649,8 @@ def launch(sharding: str, gpus: int, args, domain: int = 1, compile: bool | None
             *(["--dropout", str(args.dropout)] if args.dropout is not None else []),
             "--watchdog",
             str(args.watchdog),
+            "--optim-fused",
+            args.optim_fused,
         ]
         + (["--compile", "--variant", args.variant] if compile else [])
         + (["--compile-workers", str(args.compile_workers)] if compile and args.compile_workers is not None else [])
@@ -752,6 +759,12 @@ def main(argv=None) -> None:
         "(benchmarks/residual_norm.py --sweep's notation); default: the recipe's",
     )
     ap.add_argument("--dropout", type=float, help="the SongUNets' dropout (default: the presets', 0.1)")
+    ap.add_argument(
+        "--optim-fused",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="Adam's fused kernel (optim.fused); auto: the framework's choice (fused on CUDA)",
+    )
     ap.add_argument(
         "--watchdog",
         type=float,

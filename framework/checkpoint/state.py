@@ -303,6 +303,9 @@ def restore(t, state: dict, *, exclude=(), full: bool) -> None:
 
 
 _NOT_HYPER = ("params", "lr", "initial_lr")
+# How the live optimizer computes, not what it computes: taken from it without a word (a
+# checkpoint from before ``optim.fused: null`` meant the fused kernel on CUDA resumes fused).
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 
 
 def _hyper_parameters(optimizer) -> list[dict]:
@@ -350,10 +353,11 @@ def _apply_hyper_parameters(t, configured: list[dict]) -> None:
                 have = next((x for x in seen if not _same(x, v)), seen[0])
             else:
                 have = g.get(k)
-            if not _same(have, v):
+            if not _same(have, v) and k not in _IMPLEMENTATION:
                 changed.append((i, k, have, v))
             if k != "lr":
                 g[k] = v
+    _place_steps(t.optimizer)
     lr_changed = {i for i, k, _, _ in changed if k == "lr"}
     if lr_changed:
         factors = _schedule_factors(sched, groups, bases)
@@ -374,6 +378,20 @@ def _apply_hyper_parameters(t, configured: list[dict]) -> None:
             f"{k} {_fmt(a)} -> {_fmt(b)}" + (f" (group {i})" if len(groups) > 1 else "") for i, k, a, b in changed
         )
         log.info("resume: optimizer hyper-parameters from the config, not the checkpoint: %s", text)
+
+
+def _place_steps(optimizer) -> None:
+    """Adam's step counts live beside their parameters (float32) for its fused and capturable
+    kernels and on the CPU otherwise. torch's load places them by the checkpoint's flags; the
+    live optimizer's, applied after it, may differ."""
+    for g in optimizer.param_groups:
+        on_device = bool(g.get("fused") or g.get("capturable"))
+        for p in g["params"]:
+            state = optimizer.state.get(p)
+            step = state.get("step") if state else None
+            where = p.device if on_device else torch.device("cpu")
+            if torch.is_tensor(step) and step.device != where:
+                state["step"] = step.to(where, torch.float32) if on_device else step.to(where)
 
 
 def _schedule_factors(sched, groups, bases) -> list[float | None]:

@@ -304,3 +304,32 @@ def test_resume_takes_optimizer_hyper_parameters_from_the_config(tmp_path, backe
         m.load(path, c)
     assert "hyper-parameters" not in caplog.text
     assert c.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]
+
+
+def _with_adam(t, **kw):
+    t.optimizer = torch.optim.Adam(t.model.parameters(), lr=1e-2, **kw)
+    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda s: 1.0 / (1 + s))
+    return t
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize(("saved", "live"), [(True, None), (None, True)])
+def test_resume_keeps_the_live_optimizers_kernel_and_logs_no_change(tmp_path, backend, saved, live, caplog):
+    """``fused`` is how the optimizer computes, not what: a checkpoint from a foreach optimizer
+    resumes under a fused one (the default on CUDA since the framework picks it) and back, silently,
+    and the next step moves the parameters as the unbroken run's does (to the kernels' round-off)."""
+    a = _with_adam(make_trainer(), fused=saved)
+    train(a, 3)
+    m = manager(tmp_path, backend)
+    path = m.save(a, {})
+    b = _with_adam(make_trainer(seed=1), fused=live)
+    with caplog.at_level(logging.INFO, logger="framework"):
+        m.load(path, b)
+    assert b.optimizer.param_groups[0]["fused"] is live and "hyper-parameters" not in caplog.text
+    assert all(s["step"].device.type == "cpu" and s["step"].item() == 3 for s in b.optimizer.state.values())
+    torch.manual_seed(7)
+    train(a, 1)
+    torch.manual_seed(7)
+    train(b, 1)
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
