@@ -228,6 +228,7 @@ _KERNEL_KINDS = (  # first match wins: Triton kernels are named by the ops they 
     ("attention", ("flash", "fmha", "attention", "_fna_")),  # _fna_: the DiT's fused neighbourhood kernels
     ("group norm (fused Triton)", ("gn_fused",)),
     ("MLP bias + GELU (fused Triton)", ("_bias_gelu",)),  # the DiT's (recipes/stormscope/gelu.py)
+    ("residuals + norm (fused Triton)", ("_residual_",)),  # the DiT's (recipes/stormscope/residual.py)
     ("triton (inductor)", ("triton",)),
     ("layout transpose", ("nchwToNhwc", "nhwcToNchw", "nchw2nhwc", "nhwc2nchw", "transpose")),
     ("conv (cuDNN)", ("conv", "xmma", "cudnn", "implicit", "wgrad", "dgrad", "fprop", "cutlass")),

@@ -126,7 +126,7 @@ if triton is not None:
         return xc * rstd[:, None], rstd
 
     @triton.jit
-    def _forward(
+    def _residual_fwd(
         x_ptr, a_ptr, b_ptr, gate_ptr, shift_ptr, scale_ptr, x1_ptr, h_ptr, T, D, eps,
         NORM: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
@@ -144,7 +144,7 @@ if triton is not None:
                 tl.store(h_ptr + offs, (xhat * scale1 + shift).to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _backward(
+    def _residual_bwd(
         g_ptr, gh_ptr, x_ptr, a_ptr, b_ptr, gate_ptr, scale_ptr, dx_ptr, da_ptr, sums_ptr, T, D, eps,
         NORM: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
@@ -226,7 +226,7 @@ def launch_forward(x, a, bias, gate, shift, scale, eps, norm: bool, tiles=None):
     bm, rb, warps = _checked(tiles or TILES["fwd"])
     mod = [_flat(m, b, d) for m in ((gate, shift, scale) if norm else (gate, gate, gate))]
     with device_of(x):
-        _forward[(b, triton.cdiv(t, bm))](
+        _residual_fwd[(b, triton.cdiv(t, bm))](
             _flat(x, b * t, d), _flat(a, b * t, d), bias.contiguous(), *mod, x1, h, t, d, eps,
             NORM=norm, BM=bm, RB=rb, BD=triton.next_power_of_2(d), num_warps=warps,
         )  # fmt: skip
@@ -248,7 +248,7 @@ def launch_backward(g, gh, x, a, bias, gate, scale, eps, tiles=None):
     sums = torch.empty(b, blocks, 4, d, device=a.device, dtype=torch.float32)
     g2 = _flat(g, b * t, d)
     with device_of(a):
-        _backward[(b, blocks)](
+        _residual_bwd[(b, blocks)](
             g2, _flat(gh, b * t, d) if norm else g2, _flat(x, b * t, d) if norm else g2, _flat(a, b * t, d),
             bias.contiguous(), _flat(gate, b, d), _flat(scale if norm else gate, b, d), dx, da, sums, t, d, eps,
             NORM=norm, BM=bm, RB=rb, BD=triton.next_power_of_2(d), num_warps=warps,

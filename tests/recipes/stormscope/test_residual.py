@@ -247,7 +247,7 @@ def test_the_kernels_build_for_hopper_without_spills(monkeypatch):
     from benchmarks import kernel_build
 
     calls: list = []
-    for name in ("_forward", "_backward"):
+    for name in ("_residual_fwd", "_residual_bwd"):
         monkeypatch.setattr(residual, name, kernel_build._Recorder(getattr(residual, name), calls))
     monkeypatch.setattr(residual, "_kernels_take", lambda *t: True)
     x = torch.empty(4, 128, 160, 768, dtype=torch.bfloat16)
@@ -257,10 +257,10 @@ def test_the_kernels_build_for_hopper_without_spills(monkeypatch):
     residual.residual_norm_backward(x, x, x, x, bias, m, m, EPS)
     residual.gated_residual_backward(x, x, bias, m)
     assert [(c[0].__name__, c[3]["NORM"]) for c in calls] == [
-        ("_forward", True),
-        ("_forward", False),
-        ("_backward", True),
-        ("_backward", False),
+        ("_residual_fwd", True),
+        ("_residual_fwd", False),
+        ("_residual_bwd", True),
+        ("_residual_bwd", False),
     ]
     for kernel, _, args, kw in calls:
         r = kernel_build.report(kernel, args, kw, 90)
