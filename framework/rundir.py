@@ -122,16 +122,37 @@ def _pid_alive(pid: int, started: float | None) -> bool:
 
 def slurm_job_state(job_id: str) -> str | None:
     """The job's state per ``squeue`` ('' when not in the queue), or None when SLURM cannot be asked."""
+    states = slurm_job_states([job_id])
+    return None if states is None else states[str(job_id)]
+
+
+def slurm_job_states(job_ids) -> dict[str, str] | None:
+    """Each job's state from one ``squeue`` call ('' for a job not in the queue), or None when SLURM
+    cannot be asked. One call for a whole sweep: slurmctld answers every squeue, and a launcher
+    asking once per job and poll would load it in proportion to the sweep.
+
+    A job is found by any of its names: its own id, an array task's ``ARRAY_TASK`` form (submitit's
+    ids) or its array's id (``SLURM_JOB_ID`` inside a task is the task's own id)."""
+    ids = [str(j) for j in job_ids]
+    if not ids:
+        return {}
     try:
         out = subprocess.run(
-            ["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True, timeout=20
+            ["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%A %F %i %T"],
+            capture_output=True,
+            text=True,
+            timeout=20,
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return "" if "invalid job id" in (out.stderr or "").lower() else None
-    states = [s.strip() for s in out.stdout.splitlines() if s.strip()]
-    return states[0] if states else ""
+    if out.returncode != 0:  # one unknown id alone is an error; among others it is left out
+        return dict.fromkeys(ids, "") if "invalid job id" in (out.stderr or "").lower() else None
+    seen: dict[str, str] = {}
+    for line in out.stdout.splitlines():
+        *names, state = line.split() or [""]
+        for name in names:
+            seen.setdefault(name, state)
+    return {i: seen.get(i, "") for i in ids}
 
 
 # -- the lock file ---------------------------------------------------------------------------------

@@ -260,24 +260,28 @@ def _wait(jobs, poll_s: float = 1.0, queue_every_s: float = 10.0) -> list:
 
     from submitit.core.utils import JobPaths
 
-    from framework.rundir import slurm_job_state
+    from framework.rundir import slurm_job_states
 
     out: dict[int, object] = {}
     gone: dict[int, int] = {}  # consecutive polls that did not find the job in the queue
     last_ask = 0.0
     while len(out) < len(jobs):
-        ask = time.monotonic() - last_ask >= queue_every_s
-        last_ask = time.monotonic() if ask else last_ask
+        waiting = []
         for i, job in enumerate(jobs):
             if i in out:
                 continue
             results = [JobPaths(job.paths.folder, job.job_id, t).result_pickle for t in range(job.num_tasks)]
             if all(p.exists() for p in results):
                 out[i] = job.results()[0]  # task 0's
-            elif ask:
-                gone[i] = gone.get(i, 0) + 1 if slurm_job_state(job.job_id) == "" else 0
+            else:
+                waiting.append(i)
+        if waiting and time.monotonic() - last_ask >= queue_every_s:
+            last_ask = time.monotonic()
+            states = slurm_job_states([jobs[i].job_id for i in waiting]) or {}  # one squeue for all
+            for i in waiting:
+                gone[i] = gone.get(i, 0) + 1 if states.get(str(jobs[i].job_id)) == "" else 0
                 if gone[i] >= 2:  # twice, a poll apart: a result written at the very end has landed
-                    out[i] = _ended(job.job_id)
+                    out[i] = _ended(jobs[i].job_id)
         if len(out) < len(jobs):
             time.sleep(poll_s)
     return [out[i] for i in range(len(jobs))]

@@ -220,3 +220,42 @@ def test_sbatch_template(tmp_path, data_root):
     rows = _train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert "dp_shard=2" in (tmp_path / "run" / "framework.log").read_text()
+
+
+def test_one_squeue_names_every_jobs_state_by_any_of_its_ids(tmp_path):
+    """The launcher asks the queue once per poll for a whole sweep (framework.rundir.slurm_job_states):
+    a running array task by submitit's ARRAY_TASK id and by its own numeric id (its SLURM_JOB_ID),
+    a held array's tasks and the array by its id, and jobs that ended or never were ('')."""
+    from framework.rundir import slurm_job_state, slurm_job_states
+
+    _need_cluster()
+
+    def submit(*args: str) -> str:
+        out = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-o", "/dev/null", *args], cwd=tmp_path,
+                             env=ENV, capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().split(";")[0]
+
+    def until(ids: list[str], want: dict) -> None:
+        t0 = time.monotonic()
+        while (states := slurm_job_states(ids)) != want:
+            assert time.monotonic() - t0 < 60, states
+            time.sleep(0.5)
+
+    finished, running = submit("--wrap", "true"), submit("--array=0-1", "--wrap", "sleep 60")
+    held = submit("--hold", "--array=0-2", "--wrap", "sleep 60")
+    try:
+        first = f"{running}_0"  # a started task that is not its array's last gets an id of its own
+        until([finished, first], {finished: "", first: "RUNNING"})
+        task = subprocess.run(["squeue", "-h", "-r", "-j", first, "-o", "%A"], capture_output=True, text=True)
+        own = task.stdout.strip()
+        assert own.isdigit() and own != running, task
+        ids = [finished, first, own, f"{held}_1", f"{held}_2", held, "999999"]
+        assert slurm_job_states(ids) == {
+            finished: "", first: "RUNNING", own: "RUNNING", f"{held}_1": "PENDING", f"{held}_2": "PENDING",
+            held: "PENDING", "999999": "",
+        }  # fmt: skip
+        assert slurm_job_state("999999") == "" and slurm_job_states([]) == {}
+    finally:
+        subprocess.run(["scancel", running, held], timeout=30)
+    until([own, f"{held}_1"], {own: "", f"{held}_1": ""})  # cancelled: out of the queue
