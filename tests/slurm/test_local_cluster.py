@@ -175,12 +175,17 @@ def test_srun_two_nodes(tmp_path, data_root):
     assert "dp_shard=4" in (tmp_path / "run" / "framework.log").read_text()
 
 
+def _sbatch(args: list[str], cwd: Path) -> str:
+    """Submit; the job's id."""
+    sub = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=30)
+    assert sub.returncode == 0, f"sbatch failed: {sub.stderr}"
+    return sub.stdout.strip().split(";")[0]
+
+
 def _sbatch_and_wait(args: list[str], cwd: Path, timeout: float = 240) -> tuple[str, str]:
     """Submit and poll every half second until the job ends: (JobState, ExitCode). sbatch --wait
     polls with a backoff up to 32 s, which tripled this test's time."""
-    sub = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=30)
-    assert sub.returncode == 0, f"sbatch failed: {sub.stderr}"
-    job, t0 = sub.stdout.strip().split(";")[0], time.monotonic()
+    job, t0 = _sbatch(args, cwd), time.monotonic()
     while time.monotonic() - t0 < timeout:
         info = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
         fields = dict(kv.split("=", 1) for kv in info.split() if "=" in kv)
@@ -231,10 +236,7 @@ def test_one_squeue_names_every_jobs_state_by_any_of_its_ids(tmp_path):
     _need_cluster()
 
     def submit(*args: str) -> str:
-        out = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-o", "/dev/null", *args], cwd=tmp_path,
-                             env=ENV, capture_output=True, text=True, timeout=30)  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip().split(";")[0]
+        return _sbatch(["-p", "debug", "-o", "/dev/null", *args], tmp_path)
 
     def until(ids: list[str], want: dict) -> None:
         t0 = time.monotonic()
