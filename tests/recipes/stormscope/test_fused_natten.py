@@ -763,7 +763,8 @@ def test_the_backward_loops_read_each_querys_statistics_once_and_the_caps_keep_t
     calls = kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16)
     fwd, _, fwd_args, fwd_kw = calls[0]
     r = kernel_build.report(fwd, fwd_args, fwd_kw, 90)
-    programs = min(65536 // (-(-r["registers"] // 8) * 8 * 32 * fwd_kw["num_warps"]), 227 * 1024 // r["shared_bytes"])
+    registers = -(-r["registers"] // 8) * 8 * 32 * fwd_kw["num_warps"]  # a program's, allocated 8 a thread
+    programs = min(65536 // registers, 227 * 1024 // r["shared_bytes"])
     assert fwd.__name__ == "_fna_forward" and programs >= 5 and r["spill_bytes"] == 0, r
     (dq, _, dq_args, dq_kw), (dkdv, _, args, kw) = calls[-2:]
     r = kernel_build.report(dkdv, args, kw, 90)
