@@ -298,6 +298,17 @@ def full_axis_shares(grid, kernel: int, tiles: fused_natten.Tiles, backward_kv: 
     return shares[0], shares[1]
 
 
+# Shared memory an SM holds for programs (KiB; each program also takes 1 KiB the runtime reserves).
+SHARED_KIB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
+
+
+def programs_an_sm(r: dict, warps: int, arch: int) -> tuple[int, int]:
+    """How many programs of a report's kernel fit an SM (64 K registers), by its registers
+    (allocated 8 a thread) and by its shared memory."""
+    by_registers = 65536 // (-(-r["registers"] // 8) * 8 * 32 * warps)
+    return by_registers, SHARED_KIB[arch] * 1024 // (r["shared_bytes"] + 1024)
+
+
 def one_axis_share(f_r: float, f_c: float) -> float:
     """The share of tiles inside every window on exactly one axis, of ``f_r`` on rows and ``f_c``
     on columns (independent: a tile's row and column are)."""
@@ -323,15 +334,20 @@ def parse_tiles(text: str) -> fused_natten.Tiles:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None, packed: bool = True) -> list:
-    """The recorded launches of one forward and backward at this size (``tiles`` for the three
-    tiled kernels; with ``/atomic`` dK/dV tiles the backward's delta kernel is among them, else
-    the dQ kernel sums rowsum(dO * O) itself); ``packed``: as the DiT's whole grid calls them (the
-    projection's bias gradient summed by the backward kernels), else on q, k, v views (rope, bands)."""
+def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None, packed: bool = True, arch: int = 90) -> list:
+    """The recorded launches of one forward and backward at this size on an sm``arch`` GPU
+    (``tiles`` for the three tiled kernels, else that GPU's defaults; with ``/atomic`` dK/dV
+    tiles the backward's delta kernel is among them, else the dQ kernel sums rowsum(dO * O)
+    itself); ``packed``: as the DiT's whole grid calls them (the projection's bias gradient summed
+    by the backward kernels), else on q, k, v views (rope, bands)."""
     saved, saved_fp32 = dict(fused_natten.TILES), fused_natten.TILES_FP32
     if tiles is not None:
         fused_natten.TILES.update(fwd=tiles, dq=tiles, dkdv=tiles)
         fused_natten.TILES_FP32 = tiles
+    else:
+        fused_natten.TILES.update({n: fused_natten.tiles_on(n, divmod(arch, 10)) for n in saved})
+    if arch < 90:  # no copy engine: the kernels load by pointers there whatever the tiles ask
+        fused_natten.TILES.update({n: t._replace(tma=False) for n, t in fused_natten.TILES.items()})
     try:
         with recorded_launches() as calls:
             rows, cols = grid
@@ -378,7 +394,9 @@ def main(argv=None) -> None:
     for tiles in a.tiles:
         label = "the defaults" if tiles is None else str(tiles)
         print(f"tiles {label}: sm{a.arch}, {a.dtype}, grid {a.grid[0]}x{a.grid[1]}, {a.heads} heads of {a.head_dim}")
-        for kernel, _, args, kw in launches(a.grid, a.heads, a.head_dim, a.kernel, a.batch, DTYPES[a.dtype], tiles):
+        for kernel, _, args, kw in launches(
+            a.grid, a.heads, a.head_dim, a.kernel, a.batch, DTYPES[a.dtype], tiles, arch=a.arch
+        ):
             r = report(kernel, args, kw, a.arch)
             if r["kernel"] == DELTA:
                 print(f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled")
@@ -394,7 +412,7 @@ def main(argv=None) -> None:
                 if f_r * f_c
                 else ""
             )
-            in_loop = r["loop_local_accesses"]
+            in_loop, known = r["loop_local_accesses"], a.arch in SHARED_KIB
             print(
                 f"  {r['kernel']:<20} {r['registers']:>4} registers, {r['spill_bytes']:>4} B spilled"
                 + (f" ({in_loop} local loads/stores in the loop), " if in_loop else ", ")
@@ -402,6 +420,7 @@ def main(argv=None) -> None:
                 f"{r['async_loads']} async + {r['tma_loads']} TMA loads ({r['narrow_copies']} copies under 16 B), "
                 f"{r['tensor_core']}, "
                 f"{r.get('num_warps')} warps, {r.get('num_stages')} stages, "
+                + (f"{min(programs_an_sm(r, kw['num_warps'], a.arch))} programs an SM, " if known else "")
                 + (f"at most {r['maxnreg']} registers, " if r.get("maxnreg") else "")
                 + (f"{r['atomics']} atomic adds (dQ), " if r["atomics"] else "")
                 + (f"{r['bulk_reductions']} bulk reductions (dQ), " if r["bulk_reductions"] else "")

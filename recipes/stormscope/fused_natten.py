@@ -34,6 +34,7 @@ tensors (Triton's interpreter): the CPU tests check them there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -155,6 +156,17 @@ TILES = {
     "dq": Tiles(8, 8, 8, 8, stages=3, regs=128),
     "dkdv": Tiles(8, 8, 8, 8, stages=3),
 }
+_SHIPPED = dict(TILES)  # (``_tiles`` tells them from a benchmark's own by identity)
+# The caps above are Hopper's (sm90: 64 K registers and 228 KiB of shared memory an SM). Before
+# Hopper the kernels load through pointers and multiply with mma.sync, which needs more registers:
+# built for sm80, sm86 and sm89 (benchmarks/kernel_build.py --arch, the preset's layer), the
+# forward capped at 96 spills 140-160 B, 30 local loads and stores a tile in its loop, while shared
+# memory alone holds it to 4 programs an SM on sm80 (164 KiB) and 3 on sm86/89 (100 KiB). So there
+# a kernel is capped at the most registers that still let shared memory's count of programs fit:
+# the forward at 128 on sm80 (5 local accesses a tile) and 168 on sm86/89 (none); dQ stays at 128
+# on sm80 (4 programs, 1 local access a tile) and goes uncapped on sm86/89 (2 programs by its 36
+# KiB; 168 registers, no spills; capped at 128 it spilled). Derived offline, not timed on those GPUs.
+_CAPS_BEFORE_HOPPER = {(8, 0): {"fwd": 128}, (8, 6): {"fwd": 168, "dq": None}, (8, 9): {"fwd": 168, "dq": None}}
 # float32 (full-precision products on FMAs, for parity runs): 8 x 8 tiles spill kilobytes of
 # registers on sm90; 4 x 8 do not.
 TILES_FP32 = Tiles(4, 8, 4, 8)
@@ -187,10 +199,27 @@ def format_tile_set(tiles: dict) -> str:
     return ",".join(f"{name}={t}" for name, t in tiles.items())
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (asked once: the kernels' launches ask each call)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def tiles_on(name: str, capability: tuple[int, int]) -> Tiles:
+    """``TILES[name]`` as a GPU of compute ``capability`` runs it: the shipped tiles with the
+    register caps ``_CAPS_BEFORE_HOPPER`` gives that GPU, a benchmark's own tiles as set."""
+    tiles = TILES[name]
+    caps = _CAPS_BEFORE_HOPPER.get(tuple(capability), {}) if tiles is _SHIPPED[name] else {}
+    return tiles._replace(regs=caps[name]) if name in caps else tiles
+
+
 def _tiles(name: str, q: Tensor) -> Tiles:
     """The tiles kernel ``name`` runs with on ``q``. Compiled, its matrix products sum over a
     tile's queries or keys, and Triton's need at least 16 terms (the interpreter takes fewer)."""
-    tiles = TILES_FP32 if q.dtype == torch.float32 else TILES[name]
+    if q.dtype == torch.float32:
+        tiles = TILES_FP32
+    else:
+        tiles = tiles_on(name, _capability(q.device)) if q.is_cuda else TILES[name]
     if min(tiles.qh * tiles.qw, tiles.kh * tiles.kw) < 16 and not _interpreted():
         raise ValueError(
             f"fused attention tiles {tiles} ({name}): a GPU needs at least 16 queries and 16 keys per tile"
@@ -789,7 +818,7 @@ def _use_tma(tiles: Tiles, *tensors: Tensor) -> bool:
     strides); otherwise by pointers."""
     if not tiles.tma or _TensorDescriptor is None:
         return False
-    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if tensors[0].is_cuda and _capability(tensors[0].device)[0] < 9:
         return False  # no copy engine before Hopper
     return all(_tma_aligned(t) for t in tensors)
 

@@ -763,14 +763,53 @@ def test_the_backward_loops_read_each_querys_statistics_once_and_the_caps_keep_t
     calls = kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16)
     fwd, _, fwd_args, fwd_kw = calls[0]
     r = kernel_build.report(fwd, fwd_args, fwd_kw, 90)
-    registers = -(-r["registers"] // 8) * 8 * 32 * fwd_kw["num_warps"]  # a program's, allocated 8 a thread
-    programs = min(65536 // registers, 227 * 1024 // r["shared_bytes"])
+    programs = min(kernel_build.programs_an_sm(r, fwd_kw["num_warps"], 90))
     assert fwd.__name__ == "_fna_forward" and programs >= 5 and r["spill_bytes"] == 0, r
     (dq, _, dq_args, dq_kw), (dkdv, _, args, kw) = calls[-2:]
     r = kernel_build.report(dkdv, args, kw, 90)
     assert dkdv.__name__ == "_fna_backward_dkdv" and r["narrow_copies"] <= kw["num_stages"], r
     r = kernel_build.report(dq, dq_args, dq_kw, 90)
     assert dq.__name__ == "_fna_backward_dq" and r["registers"] <= 128 and r["spill_bytes"] == 0, r
+
+
+def test_the_shipped_tiles_take_each_gpus_caps_and_a_benchmarks_own_stay_as_set(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    capability = (8, 6)
+    monkeypatch.setattr(fused_natten, "_capability", lambda device: capability)
+    with FakeTensorMode():  # a CUDA tensor on any machine
+        q = torch.empty(1, 2, 8, 8, 48, dtype=torch.bfloat16, device="cuda")
+    assert fused_natten._tiles("fwd", q).regs == 168 and fused_natten._tiles("dq", q).regs is None
+    assert fused_natten._tiles("dkdv", q) is fused_natten.TILES["dkdv"]
+    assert fused_natten._tiles("fwd", q)._replace(regs=96) == fused_natten.TILES["fwd"]  # only the cap moved
+    capability = (9, 0)
+    assert all(fused_natten._tiles(n, q) is fused_natten.TILES[n] for n in fused_natten.TILES)
+    capability = (8, 0)
+    assert fused_natten._tiles("fwd", q).regs == 128 and fused_natten._tiles("dq", q).regs == 128
+    cpu = torch.empty(q.shape, dtype=q.dtype)  # (the interpreter's: no GPU to fit)
+    assert fused_natten._tiles("fwd", cpu) is fused_natten.TILES["fwd"]
+    own = fused_natten.Tiles.parse(str(fused_natten.TILES["fwd"]))  # equal to the shipped, but set by a benchmark
+    monkeypatch.setitem(fused_natten.TILES, "fwd", own)
+    assert fused_natten._tiles("fwd", q) is own
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
+@pytest.mark.skipif(not _ptxas_ships(), reason="this Triton ships no ptxas")
+@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+def test_each_gpus_register_caps_let_its_shared_memory_fill_the_sm_without_spilling_in_the_loops(arch):
+    # Hopper's caps (forward 96, dQ 128) made the forward spill 30 local loads and stores a tile
+    # before Hopper (mma.sync, loads by pointers), where shared memory alone holds it to 4 programs
+    # an SM (sm80) or 3 (sm86/89): each GPU's caps keep what its shared memory allows, no fewer
+    # programs, and at most a few local accesses in the loop (fused_natten._CAPS_BEFORE_HOPPER).
+    from benchmarks import kernel_build
+
+    calls = kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16, arch=arch)
+    capped = [c for c in calls if c[0].__name__ in ("_fna_forward", "_fna_backward_dq")]
+    assert len(capped) == 2 and all(not kw["TMA"] for _, _, _, kw in calls) == (arch < 90)
+    for kernel, _, args, kw in capped:
+        r = kernel_build.report(kernel, args, kw, arch)
+        by_registers, by_shared = kernel_build.programs_an_sm(r, kw["num_warps"], arch)
+        assert by_registers >= by_shared and r["loop_local_accesses"] <= 5, (arch, r)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are Python functions, not Triton's")
