@@ -346,7 +346,7 @@ def launches(grid, heads, head_dim, kernel, batch, dtype, tiles=None, packed: bo
         fused_natten.TILES_FP32 = tiles
     else:
         fused_natten.TILES.update({n: fused_natten.tiles_on(n, divmod(arch, 10)) for n in saved})
-    if arch < 90:  # no copy engine: the kernels load by pointers there whatever the tiles ask
+    if not fused_natten.copy_engine(divmod(arch, 10)):
         fused_natten.TILES.update({n: t._replace(tma=False) for n, t in fused_natten.TILES.items()})
     try:
         with recorded_launches() as calls:

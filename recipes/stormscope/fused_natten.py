@@ -205,6 +205,12 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def copy_engine(capability: tuple[int, int]) -> bool:
+    """A GPU of compute ``capability`` has Hopper's copy engine (TMA): without it the kernels load
+    through pointers whatever their tiles ask."""
+    return capability[0] >= 9
+
+
 def tiles_on(name: str, capability: tuple[int, int]) -> Tiles:
     """``TILES[name]`` as a GPU of compute ``capability`` runs it: the shipped tiles with the
     register caps ``_CAPS_BEFORE_HOPPER`` gives that GPU, a benchmark's own tiles as set."""
@@ -818,8 +824,8 @@ def _use_tma(tiles: Tiles, *tensors: Tensor) -> bool:
     strides); otherwise by pointers."""
     if not tiles.tma or _TensorDescriptor is None:
         return False
-    if tensors[0].is_cuda and _capability(tensors[0].device)[0] < 9:
-        return False  # no copy engine before Hopper
+    if tensors[0].is_cuda and not copy_engine(_capability(tensors[0].device)):
+        return False
     return all(_tma_aligned(t) for t in tensors)
 
 

@@ -757,7 +757,7 @@ def test_the_backward_loops_read_each_querys_statistics_once_and_the_caps_keep_t
     # 38 of the loop's 754 instructions, 350 of them integer). As one (lse, delta) record they are
     # one copy a thread; the dQ kernel's cap keeps it at 128 registers (four programs an SM), the
     # forward's at 96 with no spills and under 45 KiB of shared memory (five programs an SM of
-    # 64 K registers and 227 KiB: docs/benchmarks.md, run 42).
+    # 64 K registers and 228 KiB: docs/benchmarks.md, run 42).
     from benchmarks import kernel_build
 
     calls = kernel_build.launches((128, 160), 16, 48, 31, 4, torch.bfloat16)
