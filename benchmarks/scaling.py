@@ -84,16 +84,12 @@ def build_model(args):
     if args.model == "dit":
         from recipes.stormscope.config import DiTConfig
 
-        if args.attn_tiles:
-            from recipes.stormscope import fused_natten
-
-            fused_natten.TILES.update(fused_natten.parse_tile_set(args.attn_tiles))
         if args.residual_tiles:
             from recipes.stormscope import residual
 
             residual.TILES.update(residual.parse_tile_set(args.residual_tiles))
         impls = dict(attn_impl=args.attn_impl, mlp_impl=args.mlp_impl, residual_impl=args.residual_impl)
-        cfg, io = DiTConfig(attn_block=args.attn_block, **impls), DIT_IO
+        cfg, io = DiTConfig(attn_block=args.attn_block, attn_tiles=args.attn_tiles, **impls), DIT_IO
     elif args.model == "diffusion":
         from recipes.stormcast.config import SongUNetConfig
         from recipes.weather.edm import EDMPrecond

@@ -58,6 +58,11 @@ class DiTConfig:
     # terms' and the output biases' gradients, recipes/stormscope/residual.py; torch formulas on CPU;
     # +2.7% on the compiled DiT step on an H100: docs/benchmarks.md, run 39)
     residual_impl: str = "fused"
+    # the fused attention kernels' 16-bit tiles (attn_impl fused, or auto on CUDA): null, the shipped
+    # ones with each GPU's register caps (recipes/stormscope/fused_natten.py); SPEC for all three
+    # kernels or fwd=SPEC,dq=SPEC,dkdv=SPEC for any of them (the rest shipped), SPEC in the notation
+    # benchmarks/natten.py --best-tiles writes for a GPU; given tiles run as given, without caps
+    attn_tiles: str | None = None
 
     # how the model computes, not what its weights mean: a resumed run may change them
     RESUME_RULES = (
@@ -66,6 +71,7 @@ class DiTConfig:
         ("attn_block", MAY, None),
         ("mlp_impl", MAY, None),
         ("residual_impl", MAY, None),
+        ("attn_tiles", MAY, None),
     )
 
     def __post_init__(self):
@@ -87,6 +93,13 @@ class DiTConfig:
             )
         if self.mlp_ratio <= 0:
             raise Invalid("mlp_ratio", f"must be positive (got {self.mlp_ratio})")
+        if self.attn_tiles is not None:
+            from recipes.stormscope.fused_natten import run_tiles
+
+            try:
+                run_tiles(self.attn_tiles)
+            except ValueError as e:
+                raise Invalid("attn_tiles", str(e)) from None
 
     @property
     def downsample_factor(self) -> int:  # grid rows/cols and domain bands: whole patches

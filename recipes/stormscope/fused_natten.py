@@ -194,6 +194,22 @@ def parse_tile_set(text: str) -> dict[str, Tiles]:
     return parse_named_tiles(text, TILES, Tiles.parse)
 
 
+def run_tiles(text: str | None) -> dict[str, Tiles]:
+    """A run's tiles (``model.attn_tiles``): the shipped ones where ``text`` is null, else those it
+    names over the shipped (``parse_tile_set``'s notation; a GPU's products need 16 queries and 16
+    keys a tile). ValueError, naming the problem, for anything else."""
+    tiles = {**_SHIPPED, **(parse_tile_set(text) if text else {})}
+    for name, t in tiles.items():
+        if min(t.qh * t.qw, t.kh * t.kw) < 16:
+            raise ValueError(f"tiles {t} ({name}): a GPU needs at least 16 queries and 16 keys per tile")
+    return tiles
+
+
+def use_run_tiles(text: str | None) -> None:
+    """Make ``run_tiles(text)`` the tiles this process's kernels launch with (``TILES``)."""
+    TILES.update(run_tiles(text))
+
+
 def format_tile_set(tiles: dict) -> str:
     """``parse_named_tiles``' notation for ``tiles`` (each one's ``str`` its SPEC)."""
     return ",".join(f"{name}={t}" for name, t in tiles.items())

@@ -18,7 +18,10 @@ registry.datasets.add("stormscope_synthetic", StormScopeSyntheticDataConfig, Sto
 
 @registry.models.register("dit", DiTConfig, split_plan=DIT_SPLIT_PLAN)
 def build_dit(cfg: DiTConfig, *, in_channels: int, out_channels: int, img_resolution):
+    from recipes.stormscope import fused_natten
     from recipes.stormscope.dit import DiT
+
+    fused_natten.use_run_tiles(cfg.attn_tiles)  # (per process: the kernels read the module's tiles)
 
     return DiT(
         tuple(img_resolution),

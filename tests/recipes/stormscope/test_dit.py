@@ -220,6 +220,37 @@ def test_attn_block_reaches_every_attention_and_is_checked_in_the_config():
         DiTConfig(attn_block=32)
 
 
+def test_attn_tiles_set_the_kernels_tiles_for_the_run_and_are_checked_in_the_config(monkeypatch):
+    """model.attn_tiles: null keeps the shipped tiles (with each GPU's caps); a set names some or all
+    of the three kernels' tiles over the shipped ones, in benchmarks/natten.py's notation; a model
+    built after it with null is back on the shipped tiles; bad tiles are a config error naming the key."""
+    import recipes.stormscope.registry  # noqa: F401  (registers the dit builder)
+    from framework import registry
+    from framework.config.schema import Invalid
+    from recipes.stormscope import fused_natten
+    from recipes.stormscope.config import DiTConfig
+
+    monkeypatch.setattr(fused_natten, "TILES", dict(fused_natten.TILES))
+    shipped = dict(fused_natten._SHIPPED)
+    build = registry.models.entry("dit").builder
+    small = dict(hidden_size=32, depth=1, num_heads=2, attn_kernel=5)
+    assert DiTConfig().attn_tiles is None
+    build(DiTConfig(**small, attn_tiles="dq=8x8/8x8/4/2,dkdv=4x8/8x8/4/3/tma"), in_channels=3, out_channels=2,
+          img_resolution=[16, 16])  # fmt: skip
+    Tiles = fused_natten.Tiles
+    want = {"fwd": shipped["fwd"], "dq": Tiles(8, 8, 8, 8, 4, 2), "dkdv": Tiles(4, 8, 8, 8, 4, 3, tma=True)}
+    assert fused_natten.TILES == want
+    assert fused_natten.TILES["fwd"] is shipped["fwd"]  # (so it keeps each GPU's caps)
+    build(DiTConfig(**small), in_channels=3, out_channels=2, img_resolution=[16, 16])
+    assert all(fused_natten.TILES[n] is shipped[n] for n in shipped)
+    with pytest.raises(Invalid, match=r"attn_tiles: tiles must read QHxQW/KHxKW"):
+        DiTConfig(attn_tiles="8x8")
+    with pytest.raises(Invalid, match=r"attn_tiles: tile set 'fwd=8x8/8x8,attn=8x8/8x8': expected SPEC or"):
+        DiTConfig(attn_tiles="fwd=8x8/8x8,attn=8x8/8x8")
+    with pytest.raises(Invalid, match=r"attn_tiles: tiles 2x4/4x4/4/2 \(dq\): a GPU needs at least 16 queries"):
+        DiTConfig(attn_tiles="dq=2x4/4x4")
+
+
 @pytest.mark.parametrize("knob", ["mlp_impl", "residual_impl"])
 def test_an_impl_knob_reaches_every_block_computes_the_same_and_is_checked_in_the_config(knob):
     """model.mlp_impl: the bias + GELU op (fused, the default) or F.gelu after fc1 (torch);
