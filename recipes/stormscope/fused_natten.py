@@ -200,9 +200,16 @@ def run_tiles(text: str | None) -> dict[str, Tiles]:
     keys a tile). ValueError, naming the problem, for anything else."""
     tiles = {**_SHIPPED, **(parse_tile_set(text) if text else {})}
     for name, t in tiles.items():
-        if min(t.qh * t.qw, t.kh * t.kw) < 16:
-            raise ValueError(f"tiles {t} ({name}): a GPU needs at least 16 queries and 16 keys per tile")
+        _check_for_gpu(name, t)
     return tiles
+
+
+def _check_for_gpu(name: str, tiles: Tiles) -> None:
+    """Compiled, the kernels' matrix products sum over a tile's queries or keys, and Triton's need
+    at least 16 terms (the interpreter takes fewer): ValueError otherwise."""
+    if min(tiles.qh * tiles.qw, tiles.kh * tiles.kw) < 16:
+        msg = "a GPU needs at least 16 queries and 16 keys per tile"
+        raise ValueError(f"fused attention tiles {tiles} ({name}): {msg}")
 
 
 def use_run_tiles(text: str | None) -> None:
@@ -236,16 +243,13 @@ def tiles_on(name: str, capability: tuple[int, int]) -> Tiles:
 
 
 def _tiles(name: str, q: Tensor) -> Tiles:
-    """The tiles kernel ``name`` runs with on ``q``. Compiled, its matrix products sum over a
-    tile's queries or keys, and Triton's need at least 16 terms (the interpreter takes fewer)."""
+    """The tiles kernel ``name`` runs with on ``q`` (``_check_for_gpu``'s, unless interpreted)."""
     if q.dtype == torch.float32:
         tiles = TILES_FP32
     else:
         tiles = tiles_on(name, _capability(q.device)) if q.is_cuda else TILES[name]
-    if min(tiles.qh * tiles.qw, tiles.kh * tiles.kw) < 16 and not _interpreted():
-        raise ValueError(
-            f"fused attention tiles {tiles} ({name}): a GPU needs at least 16 queries and 16 keys per tile"
-        )
+    if not _interpreted():
+        _check_for_gpu(name, tiles)
     return tiles
 
 

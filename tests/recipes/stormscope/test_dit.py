@@ -247,7 +247,7 @@ def test_attn_tiles_set_the_kernels_tiles_for_the_run_and_are_checked_in_the_con
         DiTConfig(attn_tiles="8x8")
     with pytest.raises(Invalid, match=r"attn_tiles: tile set 'fwd=8x8/8x8,attn=8x8/8x8': expected SPEC or"):
         DiTConfig(attn_tiles="fwd=8x8/8x8,attn=8x8/8x8")
-    with pytest.raises(Invalid, match=r"attn_tiles: tiles 2x4/4x4/4/2 \(dq\): a GPU needs at least 16 queries"):
+    with pytest.raises(Invalid, match=r"attn_tiles: fused attention tiles 2x4/4x4/4/2 \(dq\): a GPU needs at least 16"):
         DiTConfig(attn_tiles="dq=2x4/4x4")
 
 
